@@ -1,0 +1,659 @@
+# Text generation with a torch.compile'd decode step (CUDA graphs on GPU).
+#
+#   python generate.py --prompt "Hello, my name is" --max_new_tokens 100
+#   python generate.py --chat --prompt "What is the capital of France?"
+#   python generate.py --interactive                 # multi-turn chat, Ctrl-C or Ctrl-D ends it
+#   python generate.py --compile --prompt 5 --ignore_eos --num_samples 5   # benchmark
+#
+# stdout carries only the generated text; timing, bandwidth and memory go to stderr.
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from model import ConfigError, ModelArgs, Transformer
+from tokenizer import StreamDecoder, TokenizerError, get_tokenizer
+
+DEFAULT_CHECKPOINT = Path("checkpoints/HuggingFaceTB/SmolLM2-135M-Instruct/model.pth")
+QUANT_KEY = "_fastgen_quantization"  # metadata entry in a quantized checkpoint's state dict
+PRECISIONS = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class UserError(Exception):
+    pass
+
+
+def log(*args):
+    # Under torchrun only rank 0 talks.
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling (no host sync: everything stays on the device)
+# ---------------------------------------------------------------------------------------------
+
+
+def logits_to_probs(
+    logits: Tensor, temperature: float, top_k: int | None = None, top_p: float = 1.0
+) -> Tensor:
+    # logits [B, vocab] float32 -> probs [B, vocab]
+    logits = logits / max(temperature, 1e-5)
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens before it already cover top_p; the first always stays.
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) > top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, -float("inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(
+    logits: Tensor, temperature: float, top_k: int | None = None, top_p: float = 1.0
+) -> tuple[Tensor, Tensor | None]:
+    # logits [B, T, vocab] -> next token [B, 1] from the last position, and its distribution
+    # (None for greedy, where the distribution is a point mass on the argmax).
+    logits = logits[:, -1].float()
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True), None
+    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    # Exponential race: argmax(p / Exp(1)) draws from p without torch.multinomial's host sync.
+    q = torch.empty_like(probs).exponential_(1)
+    return torch.argmax(probs / q, dim=-1, keepdim=True), probs
+
+
+# ---------------------------------------------------------------------------------------------
+# The two steps the loop runs (compiled by main() when asked)
+# ---------------------------------------------------------------------------------------------
+
+
+def prefill(
+    model: Transformer, x: Tensor, input_pos: Tensor, pad: Tensor | None, **sampling
+) -> Tensor:
+    # x [B, T] prompt tokens at cache slots input_pos [T] -> first new token [B, 1]
+    logits = model(x, input_pos, pad, last_logits_only=True)
+    return sample(logits, **sampling)[0]
+
+
+def decode_one_token(
+    model: Transformer, x: Tensor, input_pos: Tensor, pad: Tensor | None, **sampling
+) -> Tensor:
+    # x [B, 1] at slot input_pos [1] -> next token [B, 1]
+    logits = model(x, input_pos, pad)
+    return sample(logits, **sampling)[0]
+
+
+def compile_steps(compile: bool, compile_prefill: bool) -> dict:
+    steps = {"prefill_fn": prefill, "decode_fn": decode_one_token}
+    if compile:
+        steps["decode_fn"] = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+    if compile_prefill:
+        steps["prefill_fn"] = torch.compile(prefill, fullgraph=True, dynamic=True)
+    return steps
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt: Tensor,
+    max_new_tokens: int,
+    *,
+    pad: Tensor | None = None,
+    start_pos: int = 0,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    top_p: float = 1.0,
+    stop_ids: set[int] | frozenset = frozenset(),
+    on_token=None,
+    prefill_fn=prefill,
+    decode_fn=decode_one_token,
+) -> list[list[int]]:
+    # prompt [B, T] (left-padded by pad [B] when rows differ in length), written to cache slots
+    # start_pos.. start_pos+T-1. Returns each row's new tokens, cut after its first stop token.
+    # on_token(list[int]) sees each step's tokens for all rows as they are known.
+    B, T = prompt.shape
+    device = prompt.device
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    input_pos = torch.arange(start_pos, start_pos + T, device=device)
+    token = prefill_fn(model, prompt, input_pos, pad, **sampling).clone()  # [B, 1]
+    watch = bool(stop_ids) or on_token is not None
+    stop = torch.tensor(sorted(stop_ids) or [-1], device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    out = [token]
+    pos = torch.tensor([start_pos + T], device=device)
+    for _ in range(max_new_tokens - 1):
+        # Launch step i+1 before looking at token i on the host, so the check overlaps the GPU.
+        nxt = decode_fn(model, token, pos, pad, **sampling).clone()  # CUDA graphs reuse outputs
+        pos += 1
+        if watch:
+            done |= torch.isin(token[:, 0], stop)
+            if on_token is not None:
+                on_token(token[:, 0].tolist())
+            if bool(done.all()):
+                break
+        out.append(nxt)
+        token = nxt
+    else:
+        if on_token is not None:
+            on_token(token[:, 0].tolist())
+    tokens = torch.cat(out, dim=1).tolist()  # [B, n]
+    for row in tokens:
+        cut = next((i for i, t in enumerate(row) if t in stop_ids), None)
+        if cut is not None:
+            del row[cut + 1 :]
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+class CheckpointError(Exception):
+    pass
+
+
+def read_config(checkpoint_path: Path) -> ModelArgs:
+    config_path = checkpoint_path.parent / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"no config.json beside {checkpoint_path}")
+    try:
+        return ModelArgs.from_config(json.loads(config_path.read_text()))
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CheckpointError(f"bad {config_path}: {type(e).__name__} {e}") from e
+
+
+def load_checkpoint(checkpoint_path: Path) -> dict:
+    if not checkpoint_path.is_file():
+        raise CheckpointError(f"checkpoint {checkpoint_path} does not exist")
+    try:
+        # mmap: tensors stay on disk until used; weights_only refuses code-running pickles.
+        return torch.load(checkpoint_path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - unreadable, truncated or hostile files all end here
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"cannot read checkpoint {checkpoint_path}: {first}") from e
+
+
+def load_model(
+    checkpoint_path: Path, device: torch.device | str, precision: torch.dtype
+) -> Transformer:
+    config = read_config(checkpoint_path)
+    state = load_checkpoint(checkpoint_path)
+    quant = state.pop(QUANT_KEY, None)
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to(dtype=precision)
+    if quant is not None:
+        import quantize  # only quantized checkpoints need it
+
+        quantize.prepare_model(model, quant)
+    if config.tie_embeddings and "output.weight" not in state:
+        state["output.weight"] = state.get("tok_embeddings.weight")
+    expected = model.state_dict()
+    for name, want in expected.items():
+        have = state.get(name)
+        if have is None:
+            raise CheckpointError(f"{checkpoint_path}: missing tensor {name}")
+        if have.shape != want.shape:
+            raise CheckpointError(
+                f"{checkpoint_path}: tensor {name} has shape {tuple(have.shape)}, "
+                f"the config expects {tuple(want.shape)}"
+            )
+    extra = sorted(set(state) - set(expected))
+    if extra:
+        raise CheckpointError(f"{checkpoint_path}: unexpected tensor {extra[0]}")
+    # One tensor at a time: cast floats to the model's dtype, move to the device, assign.
+    converted = {}
+    for name, want in expected.items():
+        t = state[name]
+        if (
+            name == "output.weight"
+            and config.tie_embeddings
+            and t is state["tok_embeddings.weight"]
+        ):
+            continue
+        if t.is_floating_point() and want.is_floating_point() and t.dtype != want.dtype:
+            t = t.to(want.dtype)
+        converted[name] = t.to(device)
+    if "output.weight" not in converted:
+        converted["output.weight"] = converted["tok_embeddings.weight"]
+    model.load_state_dict(converted, assign=True)
+    if quant is not None:
+        quantize.finalize_model(model, device)
+    return model.eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    # Bytes one decode step must read: every weight but the embedding table (a row lookup),
+    # counting a tied output head once. KV caches and rope tables are not weights.
+    seen, total = set(), 0
+    tied = getattr(model.config, "tie_embeddings", False)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if id(t) in seen or "kv_cache" in name or name == "freqs_cis":
+            continue
+        seen.add(id(t))
+        if name.startswith("tok_embeddings") and not tied:
+            continue
+        total += t.numel() * t.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise UserError(f"unknown device {device!r} (try cpu or cuda)") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {device} is not available: torch sees no CUDA GPU")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"device {device!r} is not supported (cpu or cuda)")
+    return dev
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float):
+    if temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top_k must be >= 1, got {top_k}")
+    if not 0 < top_p <= 1:
+        raise UserError(f"--top_p must be in (0, 1], got {top_p}")
+
+
+def encode_prompts(tok, prompt, prompts_file, chat, system, batch_size, vocab_size, seed):
+    # -> list of token-id lists, one per batch row
+    def encode(text):
+        if not chat:
+            return tok.encode(text)
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": text}
+        ]
+        return tok.encode_chat(messages)
+
+    if prompts_file is not None:
+        if not prompts_file.is_file():
+            raise UserError(f"prompts file {prompts_file} does not exist")
+        lines = [line for line in prompts_file.read_text().splitlines() if line.strip()]
+        if not lines:
+            raise UserError(f"prompts file {prompts_file} has no prompts")
+        return [encode(line) for line in lines]
+    if prompt.isdigit():
+        # A synthetic prompt of that many tokens, for benchmarks.
+        g = torch.Generator().manual_seed(seed if seed is not None else 0)
+        ids = torch.randint(0, min(vocab_size, 1024), (int(prompt),), generator=g).tolist()
+    else:
+        ids = encode(prompt)
+    return [ids] * batch_size
+
+
+def left_pad(rows: list[list[int]], device) -> tuple[Tensor, Tensor | None]:
+    longest = max(len(r) for r in rows)
+    pads = [longest - len(r) for r in rows]
+    x = torch.tensor([[0] * p + r for p, r in zip(pads, rows)], device=device)
+    pad = torch.tensor(pads, device=device) if any(pads) else None
+    return x, pad
+
+
+def cache_length(needed: int, block_size: int) -> int:
+    # Round up so that nearby prompt lengths share one compiled graph.
+    return min(block_size, -(-needed // 256) * 256)
+
+
+def run_interactive(model, tok, steps, sampling, max_new_tokens, system, max_seq_len):
+    messages = [{"role": "system", "content": system}] if system else []
+    in_cache: list[int] = []  # tokens whose keys/values sit in the cache, in slot order
+    while True:
+        try:
+            user = input("User: ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+        messages.append({"role": "user", "content": user})
+        ids = tok.encode_chat(messages)
+        while len(ids) + max_new_tokens > max_seq_len and len(messages) > 1 + bool(system):
+            del messages[bool(system) : bool(system) + 2]  # drop the oldest exchange
+            ids = tok.encode_chat(messages)
+        if len(ids) + 1 > max_seq_len:
+            log(f"the conversation ({len(ids)} tokens) no longer fits the context ({max_seq_len})")
+            return
+        # Reuse the cache for the longest prefix it already holds.
+        common = 0
+        for a, b in zip(ids, in_cache):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(ids) - 1)  # always feed at least one token
+        budget = min(max_new_tokens, max_seq_len - len(ids))
+        stream = StreamDecoder(tok)
+        print("Assistant: ", end="", flush=True)
+
+        def show(tokens, stream=stream):
+            if tokens[0] not in tok.stop_ids:
+                print(stream.push(tokens[0]), end="", flush=True)
+
+        prompt = torch.tensor([ids[common:]], device=model.tok_embeddings.weight.device)
+        try:
+            new = generate(
+                model,
+                prompt,
+                budget,
+                start_pos=common,
+                stop_ids=tok.stop_ids,
+                on_token=show,
+                **sampling,
+                **steps,
+            )[0]
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return
+        print(stream.flush(), flush=True)
+        in_cache = ids + new[:-1]  # the last token was sampled but never fed
+        reply = [t for t in new if t not in tok.stop_ids]
+        messages.append({"role": "assistant", "content": tok.decode(reply)})
+
+
+def main(
+    prompt: str,
+    interactive: bool,
+    chat: bool,
+    system: str | None,
+    prompts_file: Path | None,
+    num_samples: int,
+    max_new_tokens: int,
+    batch_size: int,
+    top_k: int | None,
+    top_p: float,
+    temperature: float,
+    seed: int | None,
+    ignore_eos: bool,
+    checkpoint_path: Path | None,
+    compile: bool,
+    compile_prefill: bool,
+    profile: Path | None,
+    speculate_k: int,
+    speculate_ngram: int | None,
+    draft_checkpoint_path: Path | None,
+    device: str | None,
+    precision: str | None,
+    max_seq_length: int | None,
+):
+    try:
+        check_sampling(temperature, top_k, top_p)
+        dev = pick_device(device)
+        if checkpoint_path is None:
+            checkpoint_path = DEFAULT_CHECKPOINT
+            if not checkpoint_path.is_file():
+                raise UserError(
+                    f"the default model is not prepared ({checkpoint_path} is missing): "
+                    "run `bash scripts/prepare.sh` or pass --checkpoint_path"
+                )
+        if (speculate_ngram or draft_checkpoint_path) and interactive:
+            raise UserError("speculative decoding is not available in --interactive mode")
+        dtype = PRECISIONS[precision or ("bfloat16" if dev.type == "cuda" else "float32")]
+        if seed is not None:
+            torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        tok = get_tokenizer(checkpoint_path.parent)
+        model = load_model(checkpoint_path, dev, dtype)
+        log(f"loaded {checkpoint_path} in {time.perf_counter() - t0:.2f} s")
+        run_main(**locals())
+    except (UserError, CheckpointError, ConfigError, TokenizerError) as e:
+        sys.exit(f"error: {e}")
+
+
+def run_main(
+    *,
+    model,
+    tok,
+    dev,
+    checkpoint_path,
+    prompt,
+    interactive,
+    chat,
+    system,
+    prompts_file,
+    num_samples,
+    max_new_tokens,
+    batch_size,
+    top_k,
+    top_p,
+    temperature,
+    seed,
+    ignore_eos,
+    compile,
+    compile_prefill,
+    profile,
+    speculate_k,
+    speculate_ngram,
+    draft_checkpoint_path,
+    max_seq_length,
+    **_,
+):
+    block_size = model.config.block_size
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    steps = compile_steps(compile, compile_prefill)
+    if compile:
+        torch._inductor.config.coordinate_descent_tuning = True
+        torch._inductor.config.triton.unique_kernel_names = True
+        torch._inductor.config.fx_graph_cache = True
+    if interactive:
+        max_seq_len = min(max_seq_length or block_size, block_size)
+        model.setup_caches(1, max_seq_len)
+        run_interactive(model, tok, steps, sampling, max_new_tokens, system, max_seq_len)
+        return
+    rows = encode_prompts(
+        tok,
+        prompt,
+        prompts_file,
+        chat or interactive,
+        system,
+        batch_size,
+        model.config.vocab_size,
+        seed,
+    )
+    longest = max(len(r) for r in rows)
+    if longest >= block_size:
+        raise UserError(f"the prompt has {longest} tokens; the model's context is {block_size}")
+    if longest + max_new_tokens > block_size:
+        max_new_tokens = block_size - longest
+        log(f"max_new_tokens cut to {max_new_tokens} to fit the context of {block_size}")
+    max_seq_len = max_seq_length or cache_length(longest + max_new_tokens, block_size)
+    if longest + max_new_tokens > max_seq_len:
+        raise UserError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"--max_seq_length {max_seq_len}"
+        )
+    model.setup_caches(len(rows), max_seq_len)
+    x, pad = left_pad(rows, dev)
+    stop_ids = frozenset() if ignore_eos else frozenset(tok.stop_ids)
+    speculative = None
+    if speculate_ngram or draft_checkpoint_path:
+        import speculative as spec
+
+        speculative = spec.setup(
+            model,
+            tok,
+            draft_checkpoint_path,
+            speculate_k,
+            speculate_ngram,
+            dev,
+            max_seq_len,
+            compile,
+        )
+    nbytes = weight_bytes(model)
+    stream_one = len(rows) == 1
+    rates = []
+    for i in range(-1 if compile else 0, num_samples):
+        warmup = i < 0
+        decoder = StreamDecoder(tok)
+
+        def show(tokens, decoder=decoder, warmup=warmup):
+            if stream_one and not warmup and tokens[0] not in stop_ids:
+                print(decoder.push(tokens[0]), end="", flush=True)
+
+        prof = (
+            torch.profiler.profile()
+            if profile is not None and i == num_samples - 1
+            else contextlib.nullcontext()
+        )
+        sync(dev)
+        t0 = time.perf_counter()
+        with prof:
+            if speculative is not None:
+                out = speculative.generate(
+                    x, max_new_tokens, stop_ids=stop_ids, on_token=show, **sampling
+                )
+            else:
+                out = generate(
+                    model,
+                    x,
+                    max_new_tokens,
+                    pad=pad,
+                    stop_ids=stop_ids,
+                    on_token=show,
+                    **sampling,
+                    **steps,
+                )
+        sync(dev)
+        dt = time.perf_counter() - t0
+        if profile is not None and i == num_samples - 1:
+            prof.export_chrome_trace(str(profile))
+            log(f"profile written to {profile}")
+        if warmup:
+            log(f"compilation and warm-up took {dt:.2f} s")
+            continue
+        if stream_one:
+            print(decoder.flush(), flush=True)
+        else:
+            for row in out:
+                print(tok.decode([t for t in row if t not in stop_ids]), flush=True)
+        n = sum(len(r) for r in out)
+        rates.append(n / dt)
+        log(
+            f"sample {i}: {n} tokens in {dt:.2f} s, {n / dt:.2f} tok/s, "
+            f"{nbytes * n / len(out) / dt / 1e9:.2f} GB/s"
+        )
+        if speculative is not None:
+            speculative.report()
+    if rates:
+        avg = sum(rates) / len(rates)
+        log(f"average {avg:.2f} tok/s over {len(rates)} samples, {nbytes / 1e9:.2f} GB of weights")
+    if dev.type == "cuda":
+        log(f"peak memory {torch.cuda.max_memory_allocated(dev) / 1e9:.2f} GB")
+
+
+def sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Generate text with a fastgen checkpoint.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--prompt",
+        default="Hello, my name is",
+        help="prompt text, or an integer N for a synthetic N-token prompt",
+    )
+    p.add_argument(
+        "--interactive",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="multi-turn chat; the conversation stays in the KV cache",
+    )
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="format the prompt with the model's chat template",
+    )
+    p.add_argument("--system", default=None, help="system message for --chat / --interactive")
+    p.add_argument(
+        "--prompts_file",
+        type=Path,
+        default=None,
+        help="one prompt per line, generated together as one padded batch",
+    )
+    p.add_argument("--num_samples", type=int, default=1, help="how many times to generate")
+    p.add_argument("--max_new_tokens", type=int, default=200, help="new tokens per sample")
+    p.add_argument("--batch_size", type=int, default=1, help="rows, each the same prompt")
+    p.add_argument("--top_k", type=int, default=200, help="sample from the k likeliest tokens")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling threshold")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy (argmax)")
+    p.add_argument("--seed", type=int, default=None, help="random seed")
+    p.add_argument(
+        "--ignore_eos",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="do not stop at end-of-sequence tokens (benchmarks)",
+    )
+    p.add_argument(
+        "--checkpoint_path",
+        type=Path,
+        default=None,
+        help=f"model.pth to load (default: {DEFAULT_CHECKPOINT})",
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="compile the decode step (CUDA graphs on GPU)",
+    )
+    p.add_argument(
+        "--compile_prefill",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="compile prefill too, with dynamic shapes",
+    )
+    p.add_argument(
+        "--profile", type=Path, default=None, help="write a chrome trace of the last sample here"
+    )
+    p.add_argument("--speculate_k", type=int, default=5, help="draft tokens per speculative step")
+    p.add_argument(
+        "--speculate_ngram",
+        type=int,
+        default=None,
+        help="prompt-lookup speculation with n-grams of this length (no draft model)",
+    )
+    p.add_argument(
+        "--draft_checkpoint_path",
+        type=Path,
+        default=None,
+        help="draft model for speculative decoding",
+    )
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
+    p.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default=None,
+        help="weights and activations dtype (default: bfloat16 on GPU, float32 on CPU)",
+    )
+    p.add_argument(
+        "--max_seq_length",
+        type=int,
+        default=None,
+        help="KV cache length (default: prompt + new tokens, or the context in chat)",
+    )
+    return p
+
+
+if __name__ == "__main__":
+    main(**vars(build_parser().parse_args()))

@@ -1,0 +1,248 @@
+# The decode loop, sampling and the generate.py command line on tiny checkpoints.
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from convert_hf_checkpoint import convert_hf_checkpoint
+from generate import compile_steps, generate, left_pad, logits_to_probs
+from helpers import make_hf_model, random_model, save_hf
+
+ROOT = Path(__file__).resolve().parents[1]
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def naive_greedy(model, ids: list[int], n: int) -> list[int]:
+    # Reference: a full forward over the whole sequence for every token, no cache reuse.
+    ids = list(ids)
+    out = []
+    for _ in range(n):
+        model.setup_caches(1, len(ids))
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), torch.arange(len(ids)))
+        t = int(logits[0, -1].argmax())
+        out.append(t)
+        ids.append(t)
+    return out
+
+
+def test_greedy_equals_naive_loop():
+    model = random_model(num_key_value_heads=2)
+    prompt = torch.randint(0, 128, (6,)).tolist()
+    ref = naive_greedy(model, prompt, 12)
+    model.setup_caches(1, 64)
+    got = generate(model, torch.tensor([prompt]), 12, temperature=0)[0]
+    assert got == ref
+
+
+def test_batch_of_prompts_equals_each_alone():
+    model = random_model()
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (3, 9, 6)]
+    model.setup_caches(3, 64)
+    alone = [generate(model, torch.tensor([p]), 10, temperature=0)[0] for p in prompts]
+    x, pad = left_pad(prompts, "cpu")
+    batched = generate(model, x, 10, pad=pad, temperature=0)
+    assert batched == alone
+
+
+def test_stop_ids_cut_each_row():
+    model = random_model()
+    model.setup_caches(1, 64)
+    free = generate(model, torch.tensor([[1, 2, 3]]), 10, temperature=0)[0]
+    stop = free[4]
+    cut = generate(model, torch.tensor([[1, 2, 3]]), 10, temperature=0, stop_ids={stop})[0]
+    assert cut == free[: free.index(stop) + 1]
+
+
+def test_compiled_decode_equals_eager():
+    model = random_model()
+    model.setup_caches(1, 64)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    eager = generate(model, prompt, 8, temperature=0)[0]
+    steps = compile_steps(compile=True, compile_prefill=True)
+    assert generate(model, prompt, 8, temperature=0, **steps)[0] == eager
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    p = logits_to_probs(logits, 1.0, top_k=2)
+    assert (p[0, 2:] == 0).all() and torch.isclose(p.sum(), torch.tensor(1.0))
+    full = torch.softmax(logits, -1)[0]
+    p = logits_to_probs(logits, 1.0, top_p=float(full[0]) + 1e-3)  # needs the top two
+    assert (p[0, :2] > 0).all() and (p[0, 2:] == 0).all()
+    p = logits_to_probs(logits, 1.0, top_p=0.01)  # the top token always stays
+    assert p[0, 0] == 1
+    torch.manual_seed(0)
+    model = random_model()
+    model.setup_caches(1, 64)
+    # Sampled tokens must stay inside top_k=1, i.e. equal greedy.
+    greedy = generate(model, torch.tensor([[1, 2]]), 6, temperature=0)[0]
+    assert generate(model, torch.tensor([[1, 2]]), 6, temperature=1.0, top_k=1)[0] == greedy
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def build_tokenizer(path: Path, vocab_size: int = 300):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["Hello, my name is fastgen. The capital of France is Paris."] * 50
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            dict(
+                bos_token=None, eos_token="<|endoftext|>", add_bos_token=False, chat_template=CHATML
+            )
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny")
+    hf = make_hf_model(vocab_size=320, num_key_value_heads=2, tie_word_embeddings=True)
+    save_hf(hf, path)
+    build_tokenizer(path)
+    convert_hf_checkpoint(path)
+    return path / "model.pth"
+
+
+def run(*args, check=True, **kwargs):
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, **kwargs
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize("script", ["generate.py", "scripts/convert_hf_checkpoint.py"])
+def test_help(script):
+    out = run(script, "--help").stdout
+    assert "--" in out and "usage" in out
+
+
+def test_end_to_end_generate(tiny_checkpoint):
+    args = [
+        "generate.py",
+        "--checkpoint_path",
+        str(tiny_checkpoint),
+        "--device",
+        "cpu",
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "12",
+        "--ignore_eos",
+    ]
+    proc = run(*args, "--prompt", "Hello, my name is")
+    assert "tok/s" in proc.stderr and "GB/s" in proc.stderr
+    assert "tok/s" not in proc.stdout
+    # The same text through the library equals what the script printed.
+    from generate import load_model
+    from tokenizer import get_tokenizer
+
+    tok = get_tokenizer(tiny_checkpoint.parent)
+    model = load_model(tiny_checkpoint, "cpu", torch.float32)
+    model.setup_caches(1, 64)
+    ids = generate(model, torch.tensor([tok.encode("Hello, my name is")]), 12, temperature=0)[0]
+    assert proc.stdout.strip() == tok.decode(ids).strip()
+    chat = run(*args, "--chat", "--prompt", "Hi", "--compile")
+    assert chat.stdout.strip()
+
+
+def test_prompts_file(tiny_checkpoint, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\nThe capital of France is a long prompt\n")
+    base = [
+        "generate.py",
+        "--checkpoint_path",
+        str(tiny_checkpoint),
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "6",
+        "--ignore_eos",
+    ]
+    batched = run(*base, "--prompts_file", str(prompts)).stdout.splitlines()
+    alone = [run(*base, "--prompt", p).stdout.strip() for p in prompts.read_text().splitlines()]
+    assert [b.strip() for b in batched] == alone
+
+
+def test_interactive_keeps_conversation(tiny_checkpoint):
+    proc = run(
+        "generate.py",
+        "--checkpoint_path",
+        str(tiny_checkpoint),
+        "--interactive",
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "5",
+        input="Hello\nParis\n",
+    )
+    assert proc.stdout.count("Assistant:") == 2
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--checkpoint_path", "nowhere/model.pth"], "does not exist"),
+        (["--device", "tpu"], "device"),
+        (["--device", "cuda:0"], "not available"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--top_p", "0"], "--top_p"),
+        (["--top_p", "1.5"], "--top_p"),
+        (["--top_k", "0"], "--top_k"),
+        (["--prompt", "300"], "context"),
+    ],
+)
+def test_bad_input_is_one_line(tiny_checkpoint, extra, message):
+    if "cuda:0" in extra and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    args = ["generate.py", "--checkpoint_path", str(tiny_checkpoint), *extra]
+    proc = run(*args, check=False)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_mismatched_checkpoint_names_tensor(tiny_checkpoint, tmp_path):
+    for name in tiny_checkpoint.parent.iterdir():
+        if name.name != "model.pth" and name.is_file():
+            (tmp_path / name.name).write_bytes(name.read_bytes())
+    state = torch.load(tiny_checkpoint, weights_only=True)
+    state["layers.1.feed_forward.w2.weight"] = state["layers.1.feed_forward.w2.weight"][:, :10]
+    torch.save(state, tmp_path / "model.pth")
+    proc = run("generate.py", "--checkpoint_path", str(tmp_path / "model.pth"), check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "layers.1.feed_forward.w2.weight" in proc.stderr and "(64, 10)" in proc.stderr
+
+
+def test_missing_default_checkpoint_says_how_to_prepare(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "generate.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "prepare.sh" in proc.stderr
