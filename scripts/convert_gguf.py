@@ -340,11 +340,11 @@ LLAMA3_SPLIT = (
 BYTE_LEVEL_PRE = {
     "default": lambda: (pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False),
     "gpt2": lambda: (pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False),
-    # smollm/starcoder: each digit alone, then GPT-2's split.
+    # smollm/starcoder: each digit alone, then GPT-2's split (SmolLM2's own tokenizer.json).
     "smollm": lambda: (
         pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+                pre_tokenizers.Digits(individual_digits=True),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
             ]
         ),
