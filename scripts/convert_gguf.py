@@ -562,12 +562,15 @@ def convert_gguf(
     tokenizer, tokenizer_config = build_tokenizer(reader, gguf_file)
     state_dict = convert_tensors(reader, plan, DTYPES[dtype], progress=progress)
 
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    write_json(checkpoint_dir / "config.json", config)
-    write_json(checkpoint_dir / "generation_config.json", generation_config(reader, config))
-    write_json(checkpoint_dir / "tokenizer_config.json", tokenizer_config)
-    write_atomic(checkpoint_dir / "tokenizer.json", lambda tmp: tokenizer.save(str(tmp)))
-    write_atomic(checkpoint_dir / "model.pth", lambda tmp: torch.save(state_dict, tmp))
+    try:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        write_json(checkpoint_dir / "config.json", config)
+        write_json(checkpoint_dir / "generation_config.json", generation_config(reader, config))
+        write_json(checkpoint_dir / "tokenizer_config.json", tokenizer_config)
+        write_atomic(checkpoint_dir / "tokenizer.json", lambda tmp: tokenizer.save(str(tmp)))
+        write_atomic(checkpoint_dir / "model.pth", lambda tmp: torch.save(state_dict, tmp))
+    except OSError as e:  # no space left, no permission, a file where the folder should be
+        raise ConversionError(f"cannot write {checkpoint_dir}: {e.strerror or e}") from e
     return config
 
 

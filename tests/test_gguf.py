@@ -540,3 +540,18 @@ def test_help():
         [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, cwd=REPO
     )
     assert result.returncode == 0 and "--gguf_file" in result.stdout
+
+
+def test_script_converts(tmp_path):
+    write_gguf(tmp_path / "tiny.gguf")
+    result = run_script(tmp_path / "tiny.gguf", tmp_path / "ckpt")
+    assert result.returncode == 0, result.stderr
+    assert "wrote" in result.stderr and result.stdout == ""
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == [
+        "config.json",
+        "generation_config.json",
+        "model.pth",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
