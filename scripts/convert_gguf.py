@@ -334,34 +334,23 @@ LLAMA3_SPLIT = (
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# tokenizer.ggml.pre -> (pre-tokenizer, ignore_merges). ByteLevel(use_regex=True) is GPT-2's
-# split. "default" is what llama.cpp writes when it does not recognise a BPE vocabulary; we read
-# it as GPT-2's, as transformers does. Llama 3 looks a whole pre-token up before merging.
-BYTE_LEVEL_PRE = {
-    "default": lambda: (pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False),
-    "gpt2": lambda: (pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True), False),
-    # smollm/starcoder: each digit alone, then GPT-2's split (SmolLM2's own tokenizer.json).
-    "smollm": lambda: (
-        pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        ),
-        False,
-    ),
-    "llama-bpe": lambda: (
-        pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        ),
-        True,
-    ),
-}
-BYTE_LEVEL_PRE["starcoder"] = BYTE_LEVEL_PRE["smollm"]
-BYTE_LEVEL_PRE["llama3"] = BYTE_LEVEL_PRE["llama-bpe"]
+BYTE_LEVEL_PRE = ("default", "gpt2", "smollm", "starcoder", "llama-bpe", "llama3")
+
+
+def byte_level_pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
+    """(pre-tokenizer, ignore_merges) for a tokenizer.ggml.pre value in BYTE_LEVEL_PRE."""
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex
+    if pre in ("smollm", "starcoder"):
+        # Each digit alone, then GPT-2's split: SmolLM2's own tokenizer.json does this.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2]), False
+    if pre in ("llama-bpe", "llama3"):
+        # Llama 3 also looks a whole pre-token up in the vocabulary before merging.
+        split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        return pre_tokenizers.Sequence([split, byte_level]), True
+    # "default" is what llama.cpp writes for a BPE vocabulary it does not recognise; we read
+    # it as GPT-2's, as transformers does.
+    return gpt2, False
 
 
 def unique_vocab(tokens: list[str]) -> dict[str, int]:
@@ -372,12 +361,20 @@ def unique_vocab(tokens: list[str]) -> dict[str, int]:
     return vocab
 
 
+def bpe_tokenizer(gguf_file: Path, tokens: list[str], merges, **options) -> Tokenizer:
+    try:
+        return Tokenizer(models.BPE(vocab=unique_vocab(tokens), merges=merges, **options))
+    # tokenizers raises a plain Exception (e.g. for a merge of tokens not in the vocabulary).
+    except Exception as e:  # noqa: BLE001
+        raise ConversionError(f"{gguf_file}: invalid BPE vocabulary: {e}") from e
+
+
 def byte_level_model(reader, tokens, gguf_file) -> Tokenizer:
     pre = field(reader, "tokenizer.ggml.pre", "default")
     if pre not in BYTE_LEVEL_PRE:
         raise ConversionError(
             f"{gguf_file}: pre-tokenizer {pre!r} is not supported "
-            f"(supported: {', '.join(sorted(BYTE_LEVEL_PRE))})"
+            f"(supported: {', '.join(BYTE_LEVEL_PRE)})"
         )
     merges = []
     for merge in required_field(reader, "tokenizer.ggml.merges", gguf_file):
@@ -385,10 +382,8 @@ def byte_level_model(reader, tokens, gguf_file) -> Tokenizer:
         if len(pair) != 2:
             raise ConversionError(f"{gguf_file}: merge {merge!r} is not two tokens")
         merges.append(tuple(pair))
-    pre_tokenizer, ignore_merges = BYTE_LEVEL_PRE[pre]()
-    tokenizer = Tokenizer(
-        models.BPE(vocab=unique_vocab(tokens), merges=merges, ignore_merges=ignore_merges)
-    )
+    pre_tokenizer, ignore_merges = byte_level_pre_tokenizer(pre)
+    tokenizer = bpe_tokenizer(gguf_file, tokens, merges, ignore_merges=ignore_merges)
     tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
@@ -415,21 +410,19 @@ def sentencepiece_merges(tokens, scores, token_types) -> list[tuple[str, str]]:
     return [(left, right) for *_, left, right in ranked]
 
 
-def sentencepiece_model(reader, tokens, token_types, gguf_file) -> Tokenizer:
+def sentencepiece_model(reader, tokens, token_types, unk, gguf_file) -> Tokenizer:
     if field(reader, "tokenizer.ggml.merges") is not None:
         merges = [tuple(m.split(" ")) for m in field(reader, "tokenizer.ggml.merges")]
     else:
         scores = required_field(reader, "tokenizer.ggml.scores", gguf_file)
         merges = sentencepiece_merges(tokens, scores, token_types)
-    unk_id = field(reader, "tokenizer.ggml.unknown_token_id")
-    tokenizer = Tokenizer(
-        models.BPE(
-            vocab=unique_vocab(tokens),
-            merges=merges,
-            unk_token=None if unk_id is None else tokens[unk_id],
-            fuse_unk=True,
-            byte_fallback=True,  # characters outside the vocabulary become <0xNN> byte tokens
-        )
+    tokenizer = bpe_tokenizer(
+        gguf_file,
+        tokens,
+        merges,
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=True,  # characters outside the vocabulary become <0xNN> byte tokens
     )
     add_space_prefix = bool(field(reader, "tokenizer.ggml.add_space_prefix", True))
     # SentencePiece: spaces become "▁", the text gets one leading "▁", and no pre-splitting.
@@ -443,6 +436,14 @@ def sentencepiece_model(reader, tokens, token_types, gguf_file) -> Tokenizer:
     return tokenizer
 
 
+def token_text(reader: gguf.GGUFReader, key: str, tokens: list[str], gguf_file: Path) -> str | None:
+    """The token a metadata id key (e.g. tokenizer.ggml.bos_token_id) names, if the file has it."""
+    index = field(reader, key)
+    if index is not None and not 0 <= index < len(tokens):
+        raise ConversionError(f"{gguf_file}: {key} {index} is outside the vocabulary")
+    return None if index is None else tokens[index]
+
+
 def build_tokenizer(reader: gguf.GGUFReader, gguf_file: Path) -> tuple[Tokenizer, dict]:
     """The `tokenizers` Tokenizer the GGUF vocabulary describes, and tokenizer_config.json."""
     kind = required_field(reader, "tokenizer.ggml.model", gguf_file)
@@ -454,11 +455,16 @@ def build_tokenizer(reader: gguf.GGUFReader, gguf_file: Path) -> tuple[Tokenizer
             raise ConversionError(
                 f"{gguf_file}: {key} has {len(values)} entries for {len(tokens)} tokens"
             )
+
+    def token_at(key: str) -> str | None:
+        return token_text(reader, key, tokens, gguf_file)
+
     if kind == "gpt2":
         tokenizer, add_bos_default = byte_level_model(reader, tokens, gguf_file), False
     elif kind == "llama":
         # llama.cpp adds BOS for a SentencePiece vocabulary that does not say otherwise.
-        tokenizer = sentencepiece_model(reader, tokens, token_types, gguf_file)
+        unk = token_at("tokenizer.ggml.unknown_token_id")
+        tokenizer = sentencepiece_model(reader, tokens, token_types, unk, gguf_file)
         add_bos_default = True
     else:
         raise ConversionError(
@@ -471,12 +477,6 @@ def build_tokenizer(reader: gguf.GGUFReader, gguf_file: Path) -> tuple[Tokenizer
             if token_type in ADDED_TOKEN_TYPES
         ]
     )
-
-    def token_at(key: str) -> str | None:
-        index = field(reader, key)
-        if index is not None and not 0 <= index < len(tokens):
-            raise ConversionError(f"{gguf_file}: {key} {index} is outside the vocabulary")
-        return None if index is None else tokens[index]
 
     bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
     add_bos = (

@@ -34,7 +34,6 @@ pytestmark = pytest.mark.skipif(
 CHAT_PROMPTS = [
     "What is the capital of France?",
     "Write a Python function that reverses a string.",
-    "Give me three tips for sleeping better.",
     "Translate 'good morning' into Spanish.",
 ]
 PLAIN_PROMPTS = [
@@ -42,7 +41,7 @@ PLAIN_PROMPTS = [
     "def fibonacci(n):\n",
     "Once upon a time, in a small village,",
 ]
-NEW_TOKENS = 25
+NEW_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +102,7 @@ def model(checkpoint):
     from generate import load_model
 
     model = load_model(checkpoint / "model.pth", "cpu", torch.float32)
-    model.setup_caches(1, 256)
+    model.setup_caches(1, 128)  # longest prompt (~45 tokens) + NEW_TOKENS fits
     return model
 
 
