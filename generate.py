@@ -78,10 +78,15 @@ def sample(
 
 
 def prefill(
-    model: Transformer, x: Tensor, input_pos: Tensor, pad: Tensor | None, **sampling
+    model: Transformer,
+    x: Tensor,
+    input_pos: Tensor,
+    pad: Tensor | None,
+    from_zero: bool = False,
+    **sampling,
 ) -> Tensor:
     # x [B, T] prompt tokens at cache slots input_pos [T] -> first new token [B, 1]
-    logits = model(x, input_pos, pad, last_logits_only=True)
+    logits = model(x, input_pos, pad, last_logits_only=True, from_zero=from_zero)
     return sample(logits, **sampling)[0]
 
 
@@ -125,7 +130,8 @@ def generate(
     device = prompt.device
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     input_pos = torch.arange(start_pos, start_pos + T, device=device)
-    token = prefill_fn(model, prompt, input_pos, pad, **sampling).clone()  # [B, 1]
+    from_zero = start_pos == 0 and pad is None
+    token = prefill_fn(model, prompt, input_pos, pad, from_zero, **sampling).clone()  # [B, 1]
     watch = bool(stop_ids) or on_token is not None
     stop = torch.tensor(sorted(stop_ids) or [-1], device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -185,7 +191,10 @@ def load_checkpoint(checkpoint_path: Path) -> dict:
 
 
 def load_model(
-    checkpoint_path: Path, device: torch.device | str, precision: torch.dtype
+    checkpoint_path: Path,
+    device: torch.device | str,
+    precision: torch.dtype,
+    use_kernels: bool = True,
 ) -> Transformer:
     config = read_config(checkpoint_path)
     state = load_checkpoint(checkpoint_path)
@@ -230,7 +239,16 @@ def load_model(
     model.load_state_dict(converted, assign=True)
     if quant is not None:
         quantize.finalize_model(model, device)
-    return model.eval()
+    return setup_for_device(model.eval(), device, use_kernels)
+
+
+def setup_for_device(model: Transformer, device, use_kernels: bool = True) -> Transformer:
+    # On CUDA, decode-sized matmuls and attention go to fastgen's Triton kernels.
+    if torch.device(device).type == "cuda" and use_kernels:
+        import kernels
+
+        kernels.use_kernels(model)
+    return model
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -392,6 +410,7 @@ def main(
     device: str | None,
     precision: str | None,
     max_seq_length: int | None,
+    kernels: bool,
 ):
     try:
         check_sampling(temperature, top_k, top_p)
@@ -410,7 +429,7 @@ def main(
             torch.manual_seed(seed)
         t0 = time.perf_counter()
         tok = get_tokenizer(checkpoint_path.parent)
-        model = load_model(checkpoint_path, dev, dtype)
+        model = load_model(checkpoint_path, dev, dtype, use_kernels=kernels)
         log(f"loaded {checkpoint_path} in {time.perf_counter() - t0:.2f} s")
         run_main(**locals())
     except (UserError, CheckpointError, ConfigError, TokenizerError) as e:
@@ -486,16 +505,20 @@ def run_main(
     if speculate_ngram or draft_checkpoint_path:
         import speculative as spec
 
-        speculative = spec.setup(
-            model,
-            tok,
-            draft_checkpoint_path,
-            speculate_k,
-            speculate_ngram,
-            dev,
-            max_seq_len,
-            compile,
-        )
+        try:
+            speculative = spec.setup(
+                model,
+                tok,
+                draft_checkpoint_path,
+                speculate_k,
+                speculate_ngram,
+                dev,
+                max_seq_len,
+                compile,
+                batch_size=len(rows),
+            )
+        except spec.SpeculativeError as e:  # raised through the module `generate`, not __main__
+            raise UserError(str(e)) from e
     nbytes = weight_bytes(model)
     stream_one = len(rows) == 1
     rates = []
@@ -516,8 +539,8 @@ def run_main(
         t0 = time.perf_counter()
         with prof:
             if speculative is not None:
-                out = speculative.generate(
-                    x, max_new_tokens, stop_ids=stop_ids, on_token=show, **sampling
+                out = spec.generate(
+                    speculative, x, max_new_tokens, stop_ids=stop_ids, on_token=show, **sampling
                 )
             else:
                 out = generate(
@@ -550,7 +573,7 @@ def run_main(
             f"{nbytes * n / len(out) / dt / 1e9:.2f} GB/s"
         )
         if speculative is not None:
-            speculative.report()
+            spec.report(speculative)
     if rates:
         avg = sum(rates) / len(rates)
         log(f"average {avg:.2f} tok/s over {len(rates)} samples, {nbytes / 1e9:.2f} GB of weights")
@@ -626,18 +649,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--profile", type=Path, default=None, help="write a chrome trace of the last sample here"
     )
-    p.add_argument("--speculate_k", type=int, default=5, help="draft tokens per speculative step")
+    p.add_argument(
+        "--speculate_k",
+        type=int,
+        default=5,
+        help="tokens proposed per speculative step; the target checks k+1 in one forward",
+    )
     p.add_argument(
         "--speculate_ngram",
         type=int,
         default=None,
-        help="prompt-lookup speculation with n-grams of this length (no draft model)",
+        help="prompt-lookup speculation: propose what followed the latest earlier "
+        "occurrence of the last N tokens (no draft model)",
     )
     p.add_argument(
         "--draft_checkpoint_path",
         type=Path,
         default=None,
-        help="draft model for speculative decoding",
+        help="draft model.pth for speculative decoding (any quantization, same tokenizer)",
     )
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if present)")
     p.add_argument(
@@ -651,6 +680,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="KV cache length (default: prompt + new tokens, or the context in chat)",
+    )
+    p.add_argument(
+        "--kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="use fastgen's Triton GEMV and attention kernels on CUDA",
     )
     return p
 

@@ -313,8 +313,11 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(config.dim, qkv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(config.n_head * config.head_dim, config.dim, bias=config.o_bias)
         self.kv_cache: KVCache | None = None
+        self.attend = sdpa_attention  # kernels.use_kernels swaps in a flash-decoding kernel
 
-    def forward(self, x: Tensor, freqs_cis: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, freqs_cis: Tensor, mask: Tensor | None, input_pos: Tensor
+    ) -> Tensor:
         B, T, _ = x.shape
         q_dim = self.n_head * self.head_dim
         kv_dim = self.n_kv_heads * self.head_dim
@@ -324,10 +327,22 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
         k, v = self.kv_cache.update(input_pos, k, v)  # [B, n_kv_heads, max_seq_len, head_dim]
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv_heads
-        )
+        if mask is None:
+            # Prefill from slot 0: the first T slots hold exactly this prompt, so plain causal
+            # attention over them is right and lets SDPA pick a flash kernel.
+            y = F.scaled_dot_product_attention(
+                q, k[:, :, :T], v[:, :, :T], is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+            )
+        else:
+            y = self.attend(q, k, v, mask, input_pos)  # [B, n_head, T, head_dim]
         return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
+    # q [B, n_head, T, head_dim]; k, v [B, n_kv_heads, S, head_dim]; mask [T, S] or [B, 1, T, S]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 class FeedForward(nn.Module):
@@ -350,7 +365,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def forward(self, x: Tensor, freqs_cis: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, freqs_cis: Tensor, mask: Tensor | None, input_pos: Tensor
+    ) -> Tensor:
         h = x + self.attention(self.attention_norm(x), freqs_cis, mask, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -390,12 +407,16 @@ class Transformer(nn.Module):
         input_pos: Tensor,
         pad: Tensor | None = None,
         last_logits_only: bool = False,
+        from_zero: bool = False,
     ) -> Tensor:
         # idx [B, T]; input_pos [T] cache slots to write; pad [B] left-padding per row, so that
         # row b's text starts at slot pad[b] and its rotary positions start at 0 there.
+        # from_zero: the caller promises input_pos == arange(T) (a fresh prompt, no padding).
         assert self.max_seq_len > 0, "call setup_caches() first"
         k_pos = torch.arange(self.max_seq_len, device=idx.device)
         mask = k_pos[None, :] <= input_pos[:, None]  # [T, S] causal over cache slots
+        if from_zero and pad is None:
+            mask = None
         if pad is None:
             freqs_cis = self.freqs_cis[input_pos][None]  # [1, T, head_dim/2, 2]
         else:

@@ -1,0 +1,474 @@
+# Speed benchmark on random weights of real model shapes (speed does not depend on the values).
+# Run from the repository root as a module, so that it imports the very code generate.py runs:
+#
+#   python -m scripts.bench --models Llama-2-7B,Llama-3.1-8B --modes bf16,int8,int4.g32 \
+#       --device cuda --out bench.json --plot bench.png
+#   python -m scripts.bench --kernels_only --device cuda          # each GEMV alone
+#
+# Protocol (gpt-fast's): batch size 1, a 5-token prompt, 200 new tokens, top_k 200, temperature
+# 0.8, one compile warm-up then 5 samples, average tok/s. Achieved bandwidth counts the weight
+# bytes one step reads (embedding table excluded) times tok/s.
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from generate import (
+    PRECISIONS,
+    UserError,
+    compile_steps,
+    generate,
+    log,
+    pick_device,
+    setup_for_device,
+    weight_bytes,
+)
+from model import ConfigError, ModelArgs, Transformer
+
+L2_BYTES = 64 << 20  # larger than an H200's 60 MB L2; timed inputs rotate beyond it
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, reps: int = 10, warmup: int = 2) -> float:
+    # Median seconds of fn() over reps, after warm-up.
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def read_bandwidth(device, nbytes: int = 4 << 30) -> float:
+    # Bytes/s of a pure read: row sums over a bf16 matrix larger than any cache.
+    rows = 16384
+    x = torch.randn(rows, nbytes // 2 // rows, device=device, dtype=torch.bfloat16)
+    dt = timed(lambda: x.sum(dim=1), device, reps=10)
+    return x.numel() * 2 / dt
+
+
+def matmul_tflops(device, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    dt = timed(lambda: a @ b, device, reps=10)
+    return 2 * n**3 / dt / 1e12
+
+
+# ---------------------------------------------------------------------------------------------
+# Models with random weights
+# ---------------------------------------------------------------------------------------------
+
+
+def random_model(name: str, mode: str, device, dtype, use_kernels: bool = True) -> Transformer:
+    # Same path as loading a checkpoint: build on meta, materialise, quantize, kernels.
+    config = ModelArgs.from_name(name) if isinstance(name, str) else name
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to_empty(device=device).to(dtype)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)  # random, never zeros: zeros can flatter caches and compressors
+    if config.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    if mode != "bf16":
+        import quantize
+
+        kind, _, group = mode.partition(".g")
+        quantize.quantize_model(model, kind, groupsize=int(group or 0) or None)
+        quantize.finalize_model(model, device)
+    return setup_for_device(model.eval(), device, use_kernels)
+
+
+def kv_bytes(model: Transformer, length: int, batch: int = 1) -> int:
+    c = model.config
+    elt = model.tok_embeddings.weight.element_size()
+    return 2 * c.n_layer * c.n_kv_heads * c.head_dim * length * batch * elt
+
+
+def decode_rate(model, device, steps, prompt_len, new_tokens, batch=1, start_pos=0, samples=5):
+    # Average tok/s of generate() over `samples` runs (all rows counted).
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 1000, (1, prompt_len), generator=g).repeat(batch, 1).to(device)
+    sampling = dict(temperature=0.8, top_k=200)
+    rates = []
+    for _ in range(samples):
+        sync(device)
+        t0 = time.perf_counter()
+        out = generate(model, prompt, new_tokens, start_pos=start_pos, **sampling, **steps)
+        sync(device)
+        rates.append(sum(len(r) for r in out) / (time.perf_counter() - t0))
+    return statistics.mean(rates)
+
+
+def fill_caches(model):
+    # Decoding at a long context reads the cache; random contents, never zeros.
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attention.kv_cache.k_cache.normal_()
+            layer.attention.kv_cache.v_cache.normal_()
+
+
+def bench_model(
+    name, mode, device, dtype, metrics, bandwidth, peak_tflops, compile, new_tokens=200, samples=5,
+    use_kernels=True,
+):  # fmt: skip
+    res = dict(model=name, mode=mode)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = random_model(name, mode, device, dtype, use_kernels)
+    res["kernels"] = use_kernels
+    nbytes = weight_bytes(model)
+    res["weight_gb"] = nbytes / 1e9
+    steps = compile_steps(compile, compile_prefill=False)
+
+    # Decode, the protocol: 5-token prompt, 200 new tokens; compile warm-up timed.
+    model.setup_caches(1, 256)
+    sync(device)
+    t0 = time.perf_counter()
+    decode_rate(model, device, steps, 5, new_tokens, samples=1)
+    res["compile_cold_s"] = time.perf_counter() - t0
+    if compile and "compile" in metrics:
+        torch._dynamo.reset()
+        steps = compile_steps(compile, compile_prefill=False)
+        sync(device)
+        t0 = time.perf_counter()
+        decode_rate(model, device, steps, 5, new_tokens, samples=1)
+        res["compile_warm_s"] = time.perf_counter() - t0
+    res["tok_s"] = decode_rate(model, device, steps, 5, new_tokens, samples=samples)
+    res["gb_s"] = nbytes * res["tok_s"] / 1e9
+    res["pct_bandwidth"] = 100 * nbytes * res["tok_s"] / bandwidth
+    if device.type == "cuda":
+        res["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        res["weights_plus_kv_gb"] = (nbytes + kv_bytes(model, 256)) / 1e9
+    log(
+        f"{name} {mode}: {res['tok_s']:.1f} tok/s, {res['gb_s']:.0f} GB/s "
+        f"({res['pct_bandwidth']:.0f}% of measured), compile {res['compile_cold_s']:.1f} s"
+    )
+
+    if "profile" in metrics and device.type == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            decode_rate(model, device, steps, 5, 50, samples=1)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+        res["profile"] = table
+        log(table)
+
+    if "batch8" in metrics:
+        model.setup_caches(8, 256)
+        decode_rate(model, device, steps, 5, new_tokens, batch=8, samples=1)
+        res["batch8_tok_s"] = decode_rate(model, device, steps, 5, new_tokens, batch=8, samples=3)
+        log(f"  batch 8: {res['batch8_tok_s']:.1f} tok/s total")
+
+    if "context" in metrics:
+        for ctx in (4096, 32768):
+            if ctx + 256 > model.config.block_size or (device.type == "cpu" and ctx > 4096):
+                continue
+            model.setup_caches(1, ctx + 256)
+            fill_caches(model)
+            n = min(64, new_tokens)
+            decode_rate(model, device, steps, 1, n, start_pos=ctx, samples=1)
+            rate = decode_rate(model, device, steps, 1, n, start_pos=ctx, samples=3)
+            # bytes per step: the weights plus the filled cache
+            moved = nbytes + kv_bytes(model, ctx)
+            res[f"ctx{ctx}_tok_s"] = rate
+            res[f"ctx{ctx}_gb_s"] = moved * rate / 1e9
+            log(f"  context {ctx}: {rate:.1f} tok/s, {moved * rate / 1e9:.0f} GB/s incl. KV")
+        if "ctx32768_gb_s" in res:
+            res["ctx32768_vs_short_pct"] = 100 * res["ctx32768_gb_s"] / res["gb_s"]
+
+    if "ttft" in metrics:
+        model.setup_caches(1, 8192 + 256)
+        prefill_steps = compile_steps(compile, compile_prefill=compile)
+        c = model.config
+        for n in (128, 2048, 8192):
+            if n + 1 > model.config.block_size:
+                continue
+            prompt = torch.randint(0, 1000, (1, n), device=device)
+
+            def first_token(prompt=prompt, model=model):
+                return generate(model, prompt, 1, temperature=0.8, top_k=200, **prefill_steps)
+
+            dt = timed(first_token, device, reps=3, warmup=1)
+            n_params = nbytes / model.layers[0].attention.wo.weight.element_size()
+            flops = 2 * n_params * n + 2 * c.n_layer * c.n_head * c.head_dim * n * n
+            res[f"ttft{n}_ms"] = dt * 1e3
+            res[f"ttft{n}_tflops"] = flops / dt / 1e12
+            log(f"  prefill {n}: {dt * 1e3:.1f} ms, {flops / dt / 1e12:.0f} TFLOP/s")
+        if peak_tflops and "ttft2048_tflops" in res:
+            res["ttft2048_pct_peak"] = 100 * res["ttft2048_tflops"] / peak_tflops
+    del model
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels alone
+# ---------------------------------------------------------------------------------------------
+
+
+def gemv_shapes(config: ModelArgs) -> dict:
+    c = config
+    return {
+        "wqkv": ((c.n_head + 2 * c.n_kv_heads) * c.head_dim, c.dim),
+        "wo": (c.dim, c.n_head * c.head_dim),
+        "w13": (2 * c.intermediate_size, c.dim),
+        "w2": (c.dim, c.intermediate_size),
+        "output": (c.vocab_size, c.dim),
+    }
+
+
+def make_weight(fmt, N, K, device, groupsize=32):
+    import kernels
+
+    if fmt == kernels.FLOAT:
+        return dict(weight=torch.randn(N, K, device=device, dtype=torch.bfloat16))
+    if fmt == kernels.INT8:
+        w = torch.randint(-127, 128, (N, K), device=device, dtype=torch.int8)
+        return dict(weight=w, scales=torch.rand(N, device=device, dtype=torch.bfloat16))
+    if fmt == kernels.FP8:
+        w = torch.randn(N, K, device=device).to(torch.float8_e4m3fn)
+        return dict(weight=w, scales=torch.rand(N, device=device, dtype=torch.float32))
+    q = torch.randint(0, 16, (N, K), device=device, dtype=torch.uint8)
+    return dict(
+        weight=kernels.repack_int4(q, groupsize),
+        scales=torch.rand(N, K // groupsize, device=device, dtype=torch.bfloat16),
+        offsets=torch.randn(N, K // groupsize, device=device, dtype=torch.bfloat16),
+        groupsize=groupsize,
+    )
+
+
+def bench_gemv(fmt, N, K, device, bandwidth, config=None, groupsize=32, rows=1):
+    # Achieved read bandwidth of one GEMV, weights rotated through copies larger than L2.
+    import kernels
+
+    one = make_weight(fmt, N, K, device, groupsize)
+    nbytes = sum(t.numel() * t.element_size() for t in one.values() if torch.is_tensor(t))
+    copies = [one] + [make_weight(fmt, N, K, device, groupsize) for _ in range(L2_BYTES // nbytes)]
+    x = torch.randn(rows, K, device=device, dtype=torch.bfloat16)
+    ref = kernels.gemv_reference(x, **one, fmt=fmt)
+    got = kernels.gemv(x, **one, fmt=fmt, config=config)
+    err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    i = 0
+
+    def run():
+        nonlocal i
+        i = (i + 1) % len(copies)
+        kernels.gemv(x, **copies[i], fmt=fmt, config=config)
+
+    # Many launches per timing so launch gaps are averaged, as in a CUDA graph they nearly vanish.
+    def run_many():
+        for _ in range(20):
+            run()
+
+    dt = timed(run_many, device, reps=5) / 20
+    return dict(
+        N=N,
+        K=K,
+        bytes=nbytes,
+        us=dt * 1e6,
+        gb_s=nbytes / dt / 1e9,
+        pct=100 * nbytes / dt / bandwidth,
+        rel_err=err,
+    )
+
+
+SWEEP_LAYERS = ("wo", "w13", "w2")
+
+
+def bench_kernels(models, device, bandwidth, sweep=False):
+    import kernels
+
+    fmts = {
+        "bf16": kernels.FLOAT,
+        "int8": kernels.INT8,
+        "int4.g32": kernels.INT4,
+        "int4.g128": kernels.INT4,
+        "fp8": kernels.FP8,
+    }
+    results = []
+    for name in models:
+        for layer, (N, K) in gemv_shapes(ModelArgs.from_name(name)).items():
+            for mode, fmt in fmts.items():
+                if sweep and (layer not in SWEEP_LAYERS or mode in ("int4.g128", "fp8")):
+                    continue
+                g = int(mode.partition(".g")[2] or 32)
+                configs = sweep_configs(fmt) if sweep else [None]
+                best = None
+                for cfg in configs:
+                    try:
+                        r = bench_gemv(fmt, N, K, device, bandwidth, cfg, groupsize=g)
+                    except Exception as e:  # noqa: BLE001 - a sweep config may not compile
+                        log(f"  config {cfg} failed: {str(e).splitlines()[0][:100]}")
+                        continue
+                    r.update(model=name, layer=layer, mode=mode, config=cfg)
+                    if best is None or r["pct"] > best["pct"]:
+                        best = r
+                results.append(best)
+                log(
+                    f"{name} {layer} [{N}x{K}] {mode}: {best['us']:.1f} us, "
+                    f"{best['gb_s']:.0f} GB/s ({best['pct']:.0f}%), err {best['rel_err']:.1e}"
+                    + (f", best {best['config']}" if sweep else "")
+                )
+    return results
+
+
+def sweep_configs(fmt):
+    import kernels
+
+    out = []
+    for bn in (4, 8, 16):
+        for bk in (128, 256) if fmt == kernels.INT4 else (256, 512):
+            for warps in (4, 8):
+                for stages in (2, 4):
+                    for split in (1, 2):
+                        out.append(
+                            dict(
+                                BLOCK_M=1,
+                                BLOCK_N=bn,
+                                BLOCK_K=bk,
+                                SPLIT_K=split,
+                                num_warps=warps,
+                                num_stages=stages,
+                            )
+                        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def plot(results: list[dict], path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results if "tok_s" in r]
+    labels = [f"{r['model']}\n{r['mode']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 4))
+    ax.bar(labels, [r["pct_bandwidth"] for r in rows])
+    for i, r in enumerate(rows):
+        ax.text(i, r["pct_bandwidth"] + 1, f"{r['tok_s']:.0f} tok/s", ha="center", fontsize=8)
+    ax.set_ylabel("% of measured read bandwidth")
+    ax.set_ylim(0, 110)
+    ax.set_title("fastgen decode, batch size 1")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(
+    models, modes, device, out, plot_path, metrics, kernels_only, sweep, compile, precision,
+    new_tokens, samples, kernels,
+):  # fmt: skip
+    try:
+        dev = pick_device(device)
+        dtype = PRECISIONS[precision or ("bfloat16" if dev.type == "cuda" else "float32")]
+        names = models.split(",")
+        for name in names:
+            ModelArgs.from_name(name)
+    except (UserError, ConfigError) as e:
+        sys.exit(f"error: {e}")
+    report = dict(
+        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+    )
+    report["read_gb_s"] = read_bandwidth(dev, (4 << 30) if dev.type == "cuda" else (64 << 20)) / 1e9
+    log(f"measured read bandwidth {report['read_gb_s']:.0f} GB/s")
+    peak = None
+    if dev.type == "cuda":
+        peak = report["bf16_tflops"] = matmul_tflops(dev)
+        log(f"measured bf16 matmul {peak:.0f} TFLOP/s")
+    if kernels_only or sweep:
+        report["kernels"] = bench_kernels(names, dev, report["read_gb_s"] * 1e9, sweep)
+    else:
+        report["results"] = []
+        for name in names:
+            for mode in modes.split(","):
+                r = bench_model(
+                    name,
+                    mode,
+                    dev,
+                    dtype,
+                    metrics.split(","),
+                    report["read_gb_s"] * 1e9,
+                    peak,
+                    compile,
+                )
+                report["results"].append(r)
+                if out:  # write as we go: a long run that dies still leaves its numbers
+                    Path(out).write_text(json.dumps(report, indent=1))
+    if out:
+        Path(out).write_text(json.dumps(report, indent=1))
+    if plot_path and report.get("results"):
+        plot(report["results"], plot_path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Benchmark fastgen decoding on random weights.")
+    p.add_argument("--models", default="Llama-2-7B", help="comma-separated names from model.py")
+    p.add_argument(
+        "--modes",
+        default="bf16",
+        help="comma-separated: bf16, int8, int4.gN, int4-gptq.gN (as int4), fp8",
+    )
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument(
+        "--plot",
+        dest="plot_path",
+        type=Path,
+        default=None,
+        help="draw the table as a PNG (needs matplotlib)",
+    )
+    p.add_argument(
+        "--metrics",
+        default="decode,compile,batch8,context,ttft",
+        help="which measurements beyond decode tok/s",
+    )
+    p.add_argument(
+        "--kernels_only",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="benchmark each GEMV alone on the models' shapes",
+    )
+    p.add_argument(
+        "--sweep",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --kernels_only: try many launch configurations, report the best",
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compile the decode step as generate.py --compile does",
+    )
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default=None)
+    p.add_argument("--new_tokens", type=int, default=200, help="tokens per decode sample")
+    p.add_argument("--samples", type=int, default=5, help="timed decode samples")
+    p.add_argument(
+        "--kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="use fastgen's Triton kernels (off: plain torch.compile)",
+    )
+    return p
+
+
+if __name__ == "__main__":
+    main(**vars(build_parser().parse_args()))

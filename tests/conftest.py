@@ -1,0 +1,8 @@
+# Without a GPU, Triton kernels run in Triton's interpreter (on CPU tensors), so the kernel code
+# itself is tested here too, not only its PyTorch reference. Must be set before kernels imports.
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
