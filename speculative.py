@@ -243,17 +243,24 @@ def setup(
     *,
     batch_size: int = 1,
     adaptive: bool = True,
+    draft: Transformer | None = None,
 ) -> Speculator:
-    # model: the target, its caches set up for max_seq_len. The draft gets the target's dtype.
+    # model: the target, its caches set up for max_seq_len. A draft checkpoint is loaded in the
+    # target's dtype, after its tokenizer is checked against tok. draft: an already loaded draft
+    # model instead (benchmarks, tests), whose tokenizer the caller vouches for.
     if batch_size != 1:
         raise SpeculativeError(f"speculative decoding takes one prompt at a time, not {batch_size}")
     if speculate_k < 1:
         raise SpeculativeError(f"--speculate_k must be >= 1, got {speculate_k}")
-    if (draft_checkpoint_path is None) == (speculate_ngram is None):
+    if sum(x is not None for x in (draft_checkpoint_path, draft, speculate_ngram)) != 1:
         raise SpeculativeError("give exactly one of --draft_checkpoint_path and --speculate_ngram")
     if speculate_ngram is not None and speculate_ngram < 1:
         raise SpeculativeError(f"--speculate_ngram must be >= 1, got {speculate_ngram}")
-    draft = None
+    if draft is not None and draft.config.vocab_size != model.config.vocab_size:
+        raise SpeculativeError(
+            f"the draft's vocab_size {draft.config.vocab_size} differs from the target's "
+            f"{model.config.vocab_size}"
+        )
     if draft_checkpoint_path is not None:
         draft_checkpoint_path = Path(draft_checkpoint_path)
         check_tokenizers(tok, model, draft_checkpoint_path)
@@ -262,8 +269,9 @@ def setup(
             draft = load_model(draft_checkpoint_path, device, model.norm.weight.dtype)
         except (CheckpointError, ConfigError) as e:
             raise SpeculativeError(f"draft: {e}") from e
-        draft.setup_caches(1, max_seq_len)
         log(f"loaded draft {draft_checkpoint_path} in {time.perf_counter() - t0:.2f} s")
+    if draft is not None:
+        draft.setup_caches(1, max_seq_len)
     verify_fn, draft_fn, decode_fn = verify, draft_step, decode_one_token
     if compile:
         # Static shapes: verify always sees k+1 tokens; the draft 2 (a round's first step) or 1.
