@@ -7,9 +7,7 @@
 # Each has a plain-PyTorch reference (`*_reference`) that runs on CPU and is what tests compare
 # against. `use_kernels(model)` swaps them into a loaded model on CUDA.
 #
-# int4 runtime layout (see repack_int4): byte j of group g in row n holds k = g*G + j in its low
-# nibble and k = g*G + G/2 + j in its high nibble, so one 16-byte load feeds two half-groups of x
-# without any interleaving shuffle.
+# Quantized weights come in quantize.py's stored formats, read as they are: no repacking.
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -30,36 +28,39 @@ MAX_GEMV_ROWS = 16  # above this many rows of x, cuBLAS matmuls win
 # ---------------------------------------------------------------------------------------------
 
 
-def dequantize_int4(packed: Tensor, scales: Tensor, offsets: Tensor, groupsize: int) -> Tensor:
-    # packed uint8 [N, K/2] in the runtime layout; scales, offsets [N, K/G] -> W float [N, K]
-    # with W[n, k] = q[n, k] * scales[n, k // G] + offsets[n, k // G].
-    N = packed.shape[0]
-    half = groupsize // 2
-    p = packed.reshape(N, -1, half)  # [N, K/G, G/2]
-    q = torch.cat([p & 15, p >> 4], dim=-1).float()  # [N, K/G, G]
-    w = q * scales.float()[..., None] + offsets.float()[..., None]
-    return w.reshape(N, -1)
-
-
 def gemv_reference(
     x: Tensor,
     weight: Tensor,
     fmt: int = FLOAT,
     scales: Tensor | None = None,
-    offsets: Tensor | None = None,
+    zeros: Tensor | None = None,
     groupsize: int = 0,
     bias: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-5,
+    glu: bool = False,
+    residual: Tensor | None = None,
 ) -> Tensor:
-    # x [..., K] -> [..., N], computed in float32 and returned in x's dtype.
+    # What gemv computes, in float32, returned in x's dtype. Weight formats are quantize.py's.
+    xf = x.float()
+    if glu:
+        gate, up = xf.chunk(2, dim=-1)
+        xf = F.silu(gate) * up
+    if norm_weight is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
     if fmt == INT4:
-        w = dequantize_int4(weight, scales, offsets, groupsize)
+        from quantize import dequantize_int4
+
+        w = dequantize_int4(weight, scales, zeros, groupsize)
     else:
         w = weight.float()
-    y = x.float() @ w.t()
+    y = xf @ w.t()
     if fmt in (INT8, FP8):
         y = y * scales.float()
     if bias is not None:
         y = y + bias.float()
+    if residual is not None:
+        y = y + residual.float()
     return y.to(x.dtype)
 
 
@@ -73,13 +74,6 @@ def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, inpu
     )
 
 
-def repack_int4(qvals: Tensor, groupsize: int) -> Tensor:
-    # qvals uint8 [N, K] of 4-bit values 0..15 -> packed uint8 [N, K/2] in the runtime layout.
-    N, K = qvals.shape
-    q = qvals.reshape(N, K // groupsize, 2, groupsize // 2)
-    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(N, K // 2).contiguous()
-
-
 # ---------------------------------------------------------------------------------------------
 # GEMV
 # ---------------------------------------------------------------------------------------------
@@ -87,23 +81,53 @@ def repack_int4(qvals: Tensor, groupsize: int) -> Tensor:
 if triton is not None:
 
     @triton.jit
+    def _load_x(x_ptr, off, mask, k_idx, nw_ptr, rstd, K, NORM: tl.constexpr, GLU: tl.constexpr):
+        # The GEMV's input, with its prologue applied: x, or silu(gate) * up when the input row
+        # is [gate (K) | up (K)], or RMSNorm(x) * norm_weight given the row's rstd. -> float32
+        if GLU:
+            g = tl.load(x_ptr + off, mask=mask, other=0).to(tl.float32)
+            u = tl.load(x_ptr + off + K, mask=mask, other=0).to(tl.float32)
+            x = g * tl.sigmoid(g) * u
+        else:
+            x = tl.load(x_ptr + off, mask=mask, other=0).to(tl.float32)
+        if NORM:
+            x = x * rstd * tl.load(nw_ptr + k_idx, mask=mask, other=0).to(tl.float32)
+        return x
+
+    @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, s_ptr, o_ptr, b_ptr, y_ptr,
-        M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-        FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr,
+        x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
+        M, N, K, eps, stride_xm, stride_wn, stride_sn, stride_rm, stride_ym,
+        FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+        GLU: tl.constexpr, RESIDUAL: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
     ):  # fmt: skip
+        # y[m, n] = sum_k x'[m, k] * W[n, k] (+ bias[n]) (+ residual[m, n]), x' = prologue(x).
+        # BLOCK_M == 1: elementwise products summed once at the end (no tensor cores needed);
+        # BLOCK_M >= 16: tl.dot on dequantized tiles, for batches of a few rows.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
         m_ok = rm < M
         k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
+        rstd = 1.0
+        if NORM:  # RMSNorm needs the whole row first: x is small and stays in L2
+            ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                kk = k + rk
+                x_ok = m_ok[:, None] & (kk < K)[None, :]
+                xs = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=x_ok, other=0)
+                ss += xs.to(tl.float32) * xs.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)  # [BLOCK_M]
         if FMT == 2:
+            # int4, stored format: byte j of a row holds k = 2j (low nibble) and 2j + 1 (high);
+            # w = (q - zero) * scale per group of G along k.
             NG: tl.constexpr = BLOCK_K // G
             HG: tl.constexpr = G // 2
             rg = tl.arange(0, NG)
@@ -114,36 +138,40 @@ if triton is not None:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k in range(k_lo, k_hi, BLOCK_K):
                 g_ok = (k + rg * G) < k_hi  # [NG]
-                # weight bytes [BLOCK_N, NG, HG]: contiguous along (g, j) within a row
                 w_off = rn[:, None, None] * stride_wn + (k // 2 + rg * HG)[None, :, None] + rj
                 w_ok = n_ok[:, None, None] & g_ok[None, :, None]
-                p = tl.load(w_ptr + w_off, mask=w_ok, other=0)
+                p = tl.load(w_ptr + w_off, mask=w_ok, other=0)  # [BN, NG, HG] bytes
                 lo = (p & 15).to(tl.float32)
                 hi = (p >> 4).to(tl.float32)
                 s_off = rn[:, None] * stride_sn + (k // G + rg)[None, :]
                 sg_ok = n_ok[:, None] & g_ok[None, :]
                 s = tl.load(s_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)  # [BN, NG]
-                o = tl.load(o_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)
-                x_off = (k + rg * G)[:, None] + rj[None, :]  # [NG, HG], the low halves
+                z = tl.load(z_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)
+                k_even = (k + rg * G)[:, None] + 2 * rj[None, :]  # [NG, HG]
                 if BLOCK_M == 1:
-                    x_lo = tl.load(x_ptr + x_off, mask=g_ok[:, None], other=0).to(tl.float32)
-                    x_hi = tl.load(x_ptr + x_off + HG, mask=g_ok[:, None], other=0).to(tl.float32)
+                    ok = g_ok[:, None]
+                    x_lo = _load_x(x_ptr, k_even, ok, k_even, nw_ptr, rstd, K, NORM, GLU)
+                    x_hi = _load_x(x_ptr, k_even + 1, ok, k_even + 1, nw_ptr, rstd, K, NORM, GLU)
                     part = tl.sum(lo * x_lo[None] + hi * x_hi[None], axis=2)  # [BN, NG]
                     xsum = tl.sum(x_lo, axis=1) + tl.sum(x_hi, axis=1)  # [NG]
-                    acc += s * part + o * xsum[None, :]
+                    acc += s * (part - z * xsum[None, :])
                 else:
-                    xm_off = rm[:, None, None] * stride_xm + x_off[None]
+                    xm_off = rm[:, None, None] * stride_xm + k_even[None]
                     xm_ok = m_ok[:, None, None] & g_ok[None, :, None]
-                    x_lo = tl.load(x_ptr + xm_off, mask=xm_ok, other=0)  # [BM, NG, HG]
-                    x_hi = tl.load(x_ptr + xm_off + HG, mask=xm_ok, other=0)
-                    w_lo = (lo * s[:, :, None] + o[:, :, None]).to(x_lo.dtype)
-                    w_hi = (hi * s[:, :, None] + o[:, :, None]).to(x_lo.dtype)
+                    r3 = rstd[:, None, None] if NORM else 1.0
+                    x_lo = _load_x(x_ptr, xm_off, xm_ok, k_even[None], nw_ptr, r3, K, NORM, GLU)
+                    x_hi = _load_x(
+                        x_ptr, xm_off + 1, xm_ok, k_even[None] + 1, nw_ptr, r3, K, NORM, GLU
+                    )
+                    dt = x_ptr.dtype.element_ty
+                    w_lo = ((lo - z[:, :, None]) * s[:, :, None]).to(dt)
+                    w_hi = ((hi - z[:, :, None]) * s[:, :, None]).to(dt)
                     acc += tl.dot(
-                        tl.reshape(x_lo, [BLOCK_M, BLOCK_K // 2]),
+                        tl.reshape(x_lo.to(dt), [BLOCK_M, BLOCK_K // 2]),
                         tl.trans(tl.reshape(w_lo, [BLOCK_N, BLOCK_K // 2])),
                     )
                     acc += tl.dot(
-                        tl.reshape(x_hi, [BLOCK_M, BLOCK_K // 2]),
+                        tl.reshape(x_hi.to(dt), [BLOCK_M, BLOCK_K // 2]),
                         tl.trans(tl.reshape(w_hi, [BLOCK_N, BLOCK_K // 2])),
                     )
             if BLOCK_M == 1:
@@ -151,7 +179,6 @@ if triton is not None:
             else:
                 out = acc
         else:
-            rk = tl.arange(0, BLOCK_K)
             if BLOCK_M == 1:
                 acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             else:
@@ -167,26 +194,29 @@ if triton is not None:
                 if FMT == 3:  # float8 weights arrive as their bytes
                     w = w.to(tl.float8e4nv, bitcast=True)
                 if BLOCK_M == 1:
-                    x = tl.load(x_ptr + kk, mask=k_ok, other=0).to(tl.float32)
+                    x = _load_x(x_ptr, kk, k_ok, kk, nw_ptr, rstd, K, NORM, GLU)
                     acc += w.to(tl.float32) * x[None, :]
                 else:
-                    x = tl.load(
-                        x_ptr + rm[:, None] * stride_xm + kk[None, :],
-                        mask=m_ok[:, None] & k_ok[None, :],
-                        other=0,
-                    )
-                    acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+                    x_off = rm[:, None] * stride_xm + kk[None, :]
+                    x_ok = m_ok[:, None] & k_ok[None, :]
+                    r2 = rstd[:, None] if NORM else 1.0
+                    x = _load_x(x_ptr, x_off, x_ok, kk[None, :], nw_ptr, r2, K, NORM, GLU)
+                    dt = x_ptr.dtype.element_ty
+                    acc += tl.dot(x.to(dt), tl.trans(w.to(dt)))
             if BLOCK_M == 1:
                 out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
             else:
                 out = acc
             if FMT == 1 or FMT == 3:
                 out = out * tl.load(s_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
-        if HAS_BIAS:
-            if pid_k == 0:
-                out += tl.load(b_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
         y_off = rm[:, None] * stride_ym + rn[None, :]
         y_ok = m_ok[:, None] & n_ok[None, :]
+        if pid_k == 0:  # the epilogue's additions, once
+            if HAS_BIAS:
+                out += tl.load(b_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
+            if RESIDUAL:
+                r_off = rm[:, None] * stride_rm + rn[None, :]
+                out += tl.load(r_ptr + r_off, mask=y_ok, other=0).to(tl.float32)
         if SPLIT_K == 1:
             tl.store(y_ptr + y_off, out.to(y_ptr.dtype.element_ty), mask=y_ok)
         else:
@@ -194,20 +224,20 @@ if triton is not None:
 
 
 def gemv_config(fmt: int, M: int, N: int, K: int) -> dict:
-    # Launch parameters by shape. Chosen from the sweep in scripts/bench.py (--sweep) on an H200:
-    # enough 16-byte loads in flight per SM, and enough programs to cover 132 SMs.
+    # Launch parameters by shape, from the sweep in scripts/bench.py (--sweep) on an H200:
+    # enough 16-byte loads in flight per SM and enough programs to cover its 132 SMs.
     block_m = 1 if M == 1 else 16
     if fmt == INT4:
         cfg = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3)
-    elif fmt in (INT8, FP8):
-        cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
     else:
         cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
     if block_m > 1:
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], 16)
+    # Split K only when the output is too narrow to give every SM a program: the atomics need
+    # a zeroed float32 output and a cast, two more kernels.
     programs = triton.cdiv(N, cfg["BLOCK_N"])
     split_k = 1
-    while programs * split_k < 4 * 132 and K // (split_k * 2) >= 2 * cfg["BLOCK_K"]:
+    while programs * split_k < 132 and K // (split_k * 2) >= 2 * cfg["BLOCK_K"]:
         split_k *= 2
     return dict(cfg, BLOCK_M=block_m, SPLIT_K=split_k)
 
@@ -217,17 +247,24 @@ def gemv(
     weight: Tensor,
     fmt: int = FLOAT,
     scales: Tensor | None = None,
-    offsets: Tensor | None = None,
+    zeros: Tensor | None = None,
     groupsize: int = 0,
     bias: Tensor | None = None,
+    norm_weight: Tensor | None = None,
+    eps: float = 1e-5,
+    glu: bool = False,
+    residual: Tensor | None = None,
     config: dict | None = None,
 ) -> Tensor:
-    # x [..., K] (at most MAX_GEMV_ROWS rows) -> y [..., N] in x's dtype.
+    # y = prologue(x) @ W^T (+ bias) (+ residual), x [..., K] (or [..., 2K] with glu) with at
+    # most MAX_GEMV_ROWS rows -> y [..., N] in x's dtype. The prologue is RMSNorm with
+    # norm_weight, or silu(x[..., :K]) * x[..., K:] with glu.
+    args = (x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual)
     if x.device.type != "cuda" or triton is None:
-        return gemv_reference(x, weight, fmt, scales, offsets, groupsize, bias)
+        return gemv_reference(*args)
     if config is not None:
-        return _gemv_launch(x, weight, fmt, scales, offsets, groupsize, bias, config)
-    return torch.ops.fastgen.gemv(x, weight, fmt, scales, offsets, groupsize, bias)
+        return _gemv_launch(*args, config=config)
+    return torch.ops.fastgen.gemv(*args)
 
 
 def _gemv_launch(
@@ -235,35 +272,40 @@ def _gemv_launch(
     weight: Tensor,
     fmt: int,
     scales: Tensor | None,
-    offsets: Tensor | None,
+    zeros: Tensor | None,
     groupsize: int,
     bias: Tensor | None,
+    norm_weight: Tensor | None,
+    eps: float,
+    glu: bool,
+    residual: Tensor | None,
     config: dict | None = None,
 ) -> Tensor:
-    K = x.shape[-1]
     N = weight.shape[0]
-    x2 = x.reshape(-1, K)
+    K = weight.shape[1] * (2 if fmt == INT4 else 1)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M = x2.shape[0]
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     cfg = dict(config or gemv_config(fmt, M, N, K))
     split_k = cfg["SPLIT_K"]
     if split_k > 1:
         y = torch.zeros(M, N, device=x.device, dtype=torch.float32)
     else:
         y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k)
+    r2 = residual.reshape(M, N) if residual is not None else y
     if weight.dtype == torch.float8_e4m3fn:
         weight = weight.view(torch.uint8)
-    dummy = weight
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k)
     _gemv_kernel[grid](
         x2, weight,
-        scales if scales is not None else dummy,
-        offsets if offsets is not None else dummy,
-        bias if bias is not None else dummy,
-        y, M, N, K, x2.stride(0), weight.stride(0),
-        scales.stride(0) if scales is not None else 0, y.stride(0),
-        FMT=fmt, G=max(groupsize, 2), HAS_BIAS=bias is not None, **cfg,
+        scales if scales is not None else y,
+        zeros if zeros is not None else y,
+        bias if bias is not None else y,
+        norm_weight if norm_weight is not None else y,
+        r2, y, M, N, K, eps,
+        x2.stride(0), weight.stride(0), scales.stride(0) if scales is not None else 0,
+        r2.stride(0), y.stride(0),
+        FMT=fmt, G=max(groupsize, 2), HAS_BIAS=bias is not None,
+        NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None, **cfg,
     )  # fmt: skip
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
@@ -276,14 +318,20 @@ if triton is not None:
         weight: Tensor,
         fmt: int,
         scales: Tensor | None,
-        offsets: Tensor | None,
+        zeros: Tensor | None,
         groupsize: int,
         bias: Tensor | None,
+        norm_weight: Tensor | None,
+        eps: float,
+        glu: bool,
+        residual: Tensor | None,
     ) -> Tensor:
-        return _gemv_launch(x, weight, fmt, scales, offsets, groupsize, bias)
+        return _gemv_launch(
+            x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual
+        )
 
     @_gemv_op.register_fake
-    def _gemv_fake(x, weight, fmt, scales, offsets, groupsize, bias):
+    def _gemv_fake(x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -297,9 +345,9 @@ if triton is not None:
     def _attn_split_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, sm_scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
-        H_KV, N_SPLIT,
+        out_ptr, H_KV, N_SPLIT,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-        CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
+        CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, DIRECT: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)  # over batch x kv heads
         split = tl.program_id(1)
@@ -331,6 +379,11 @@ if triton is not None:
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
+        if DIRECT:  # one split covers the cache: normalise and write the output [B, H, D]
+            o_off = (pid * GROUP + rg)[:, None] * D + rd[None, :]
+            out = acc / l_sum[:, None]
+            tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+            return
         # Partials: acc [B*H_KV, N_SPLIT, GP, D] unnormalised, (m, l) [B*H_KV, N_SPLIT, GP, 2].
         part = pid * N_SPLIT + split
         tl.store(acc_ptr + (part * GROUP_PAD + rg)[:, None] * D + rd[None, :], acc)
@@ -359,8 +412,11 @@ if triton is not None:
 
 
 def attention_chunk(max_seq_len: int) -> int:
-    # Sequence slots per program: small caches get one program per kv head, long ones many.
-    return max(64, min(512, triton.next_power_of_2(triton.cdiv(max_seq_len, 64))))
+    # Sequence slots per program: a cache of up to 1024 slots gets one program per kv head
+    # (and no combine step), longer ones up to 64 programs per kv head.
+    if max_seq_len <= 1024:
+        return triton.next_power_of_2(max_seq_len)
+    return max(256, min(512, triton.next_power_of_2(triton.cdiv(max_seq_len, 64))))
 
 
 def _decode_attention_launch(
@@ -372,17 +428,21 @@ def _decode_attention_launch(
     group_pad = max(16, triton.next_power_of_2(group))
     chunk = attention_chunk(S)
     n_split = triton.cdiv(S, chunk)
-    acc = torch.empty(B * H_kv, n_split, group_pad, D, device=q.device, dtype=torch.float32)
-    ml = torch.empty(B * H_kv, n_split, group_pad, 2, device=q.device, dtype=torch.float32)
+    direct = n_split == 1
+    shape = (B * H_kv, n_split, group_pad) if not direct else (1, 1, 1)
+    acc = torch.empty(*shape, D, device=q.device, dtype=torch.float32)
+    ml = torch.empty(*shape, 2, device=q.device, dtype=torch.float32)
+    out = torch.empty(B, H, 1, D, device=q.device, dtype=q.dtype)
     q = q.contiguous()
     _attn_split_kernel[(B * H_kv, n_split)](
         q, k_cache, v_cache, input_pos, acc, ml, D**-0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        H_kv, n_split,
+        out, H_kv, n_split,
         GROUP=group, GROUP_PAD=group_pad, D=D, CHUNK=chunk, BLOCK_S=min(64, chunk),
-        num_warps=4, num_stages=2,
+        DIRECT=direct, num_warps=4, num_stages=2,
     )  # fmt: skip
-    out = torch.empty(B, H, 1, D, device=q.device, dtype=q.dtype)
+    if direct:
+        return out
     _attn_combine_kernel[(B * H,)](
         acc, ml, out, n_split,
         GROUP=group, GROUP_PAD=group_pad, D=D, SPLIT_PAD=triton.next_power_of_2(n_split),
@@ -425,28 +485,93 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, input_pos: Tensor) -> 
 
 
 class GemvLinear(nn.Module):
-    # nn.Linear with the same parameter names; decode-sized inputs go through the gemv kernel.
-    def __init__(self, linear: nn.Linear):
+    # Stands in for nn.Linear or one of quantize.py's linears, with the same tensors under the
+    # same names; inputs of a few rows go through the gemv kernel.
+    def __init__(self, linear: nn.Module, fmt: int, groupsize: int = 0):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
+        self.fmt, self.groupsize = fmt, groupsize
+        self.linear = linear  # the fallback for prefill-sized inputs, sharing every tensor
+        for name in ("weight", "scales", "zeros", "bias"):
+            t = getattr(linear, name, None)
+            # One owner per tensor, so that state_dict() names stay those of the model.
+            linear._parameters.pop(name, None)
+            linear._buffers.pop(name, None)
+            object.__setattr__(linear, name, t)
+            if isinstance(t, nn.Parameter):
+                self.register_parameter(name, t)
+            else:
+                self.register_buffer(name, t)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, **fused) -> Tensor:
+        # fused: gemv's prologue/epilogue arguments (norm_weight, eps, glu, residual)
         if x.numel() // x.shape[-1] <= MAX_GEMV_ROWS:
-            return gemv(x, self.weight, FLOAT, bias=self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return gemv(
+                x, self.weight, self.fmt, self.scales, self.zeros, self.groupsize, self.bias,
+                **fused,
+            )  # fmt: skip
+        return reference_epilogue(self.linear, x, **fused)
+
+
+def reference_epilogue(linear, x, norm_weight=None, eps=1e-5, glu=False, residual=None):
+    # What GemvLinear's fused arguments mean, for inputs too large for gemv (prefill).
+    if glu:
+        from model import swiglu
+
+        x = swiglu(x)
+    if norm_weight is not None:
+        xf = x.float()
+        x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = linear(x)
+    return y if residual is None else residual + y
+
+
+def gemv_format(module: nn.Module) -> tuple[int, int] | None:
+    # (fmt, groupsize) for the linears gemv can run, None for anything else.
+    if type(module) is nn.Linear:
+        return FLOAT, 0
+    kind = type(module).__name__
+    if kind == "Int8Linear":
+        return INT8, 0
+    if kind == "Int4Linear":
+        return INT4, module.groupsize
+    if kind == "Fp8Linear":
+        return FP8, 0
+    return None
+
+
+class FusedBlock(nn.Module):
+    # A TransformerBlock whose decode step folds each RMSNorm into the next GEMV's prologue,
+    # SwiGLU into w2's and the residual adds into wo's and w2's epilogues: 4 GEMVs plus the
+    # attention per layer, where the plain block needs about twice as many kernels.
+    def forward(self, x: Tensor, freqs_cis: Tensor, mask, input_pos: Tensor) -> Tensor:
+        attn, ff = self.attention, self.feed_forward
+        anorm, fnorm = self.attention_norm, self.ffn_norm
+        qkv = attn.wqkv(x, norm_weight=anorm.weight, eps=anorm.eps)
+        h = attn.wo(attn.attend_qkv(qkv, freqs_cis, mask, input_pos), residual=x)
+        gate_up = ff.w13(h, norm_weight=fnorm.weight, eps=fnorm.eps)
+        return ff.w2(gate_up, glu=True, residual=h)
 
 
 def use_kernels(model: nn.Module) -> nn.Module:
-    # Swap plain linears for GemvLinear and set the attention hook. Quantized layers route to
-    # gemv through quantize.py's own functions.
+    # On CUDA: every linear gemv can run becomes a GemvLinear, each TransformerBlock a
+    # FusedBlock, and attention over the cache the split kernel. Returns the model, changed.
     if triton is None:
         return model
     for module in list(model.modules()):
+        if isinstance(module, GemvLinear):
+            continue  # already swapped: its child is the fallback
         for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                setattr(module, child_name, GemvLinear(child))
+            fmt = gemv_format(child)
+            if fmt is not None:
+                setattr(module, child_name, GemvLinear(child, *fmt))
         if hasattr(module, "attend"):
             module.attend = attend
+    for layer in getattr(model, "layers", []):
+        linears = (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13,
+                   layer.feed_forward.w2)  # fmt: skip
+        if type(layer).__name__ == "TransformerBlock" and all(
+            isinstance(m, GemvLinear) for m in linears
+        ):
+            layer.__class__ = FusedBlock
     return model

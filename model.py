@@ -318,10 +318,17 @@ class Attention(nn.Module):
     def forward(
         self, x: Tensor, freqs_cis: Tensor, mask: Tensor | None, input_pos: Tensor
     ) -> Tensor:
-        B, T, _ = x.shape
+        return self.wo(self.attend_qkv(self.wqkv(x), freqs_cis, mask, input_pos))
+
+    def attend_qkv(
+        self, qkv: Tensor, freqs_cis: Tensor, mask: Tensor | None, input_pos: Tensor
+    ) -> Tensor:
+        # qkv [B, T, (n_head + 2 * n_kv_heads) * head_dim] -> attention output [B, T, q_dim]:
+        # rotary embeddings, the cache write at input_pos, attention over the cache.
+        B, T, _ = qkv.shape
         q_dim = self.n_head * self.head_dim
         kv_dim = self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
         q = apply_rotary_emb(q.view(B, T, self.n_head, self.head_dim), freqs_cis)
         k = apply_rotary_emb(k.view(B, T, self.n_kv_heads, self.head_dim), freqs_cis)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
@@ -335,7 +342,7 @@ class Attention(nn.Module):
             )
         else:
             y = self.attend(q, k, v, mask, input_pos)  # [B, n_head, T, head_dim]
-        return self.wo(y.transpose(1, 2).reshape(B, T, q_dim))
+        return y.transpose(1, 2).reshape(B, T, q_dim)
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
@@ -353,8 +360,13 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(swiglu(self.w13(x)))
+
+
+def swiglu(gate_up: Tensor) -> Tensor:
+    # [..., 2 * intermediate] -> [..., intermediate]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class TransformerBlock(nn.Module):
@@ -415,8 +427,6 @@ class Transformer(nn.Module):
         assert self.max_seq_len > 0, "call setup_caches() first"
         k_pos = torch.arange(self.max_seq_len, device=idx.device)
         mask = k_pos[None, :] <= input_pos[:, None]  # [T, S] causal over cache slots
-        if from_zero and pad is None:
-            mask = None
         if pad is None:
             freqs_cis = self.freqs_cis[input_pos][None]  # [1, T, head_dim/2, 2]
         else:
@@ -426,6 +436,12 @@ class Transformer(nn.Module):
             mask = (mask & (not_pad | self_slot))[:, None]  # [B, 1, T, S]
             rope_pos = (input_pos[None, :] - pad[:, None]).clamp(min=0)  # [B, T]
             freqs_cis = self.freqs_cis[rope_pos]  # [B, T, head_dim/2, 2]
+        if from_zero and pad is None:
+            mask = None
+        elif idx.device.type == "cpu":
+            # CPU SDPA is far slower with a boolean mask than with an additive one.
+            zero = torch.zeros(mask.shape, device=idx.device, dtype=self.freqs_cis.dtype)
+            mask = zero.masked_fill(~mask, -float("inf"))
         x = self.tok_embeddings(idx)  # [B, T, dim]
         for layer in self.layers:
             x = layer(x, freqs_cis, mask, input_pos)

@@ -21,27 +21,16 @@ def make(fmt, N, K, groupsize=32, dtype=torch.float32):
     if fmt == kernels.FP8:
         w = torch.randn(N, K, device=DEVICE).to(torch.float8_e4m3fn)
         return dict(weight=w, scales=torch.rand(N, device=DEVICE))
-    q = torch.randint(0, 16, (N, K), device=DEVICE, dtype=torch.uint8)
-    return dict(
-        weight=kernels.repack_int4(q, groupsize),
-        scales=torch.rand(N, K // groupsize, device=DEVICE) / 10,
-        offsets=torch.randn(N, K // groupsize, device=DEVICE) / 10,
-        groupsize=groupsize,
-    )
+    from quantize import quantize_int4
+
+    weight, scales, zeros = quantize_int4(torch.randn(N, K, device=DEVICE), groupsize)
+    return dict(weight=weight, scales=scales, zeros=zeros, groupsize=groupsize)
 
 
 def poison():
     # Leave NaNs in the allocator's free memory, so an output the kernel fails to write shows.
     if GPU:
         torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE).fill_(255)
-
-
-def test_int4_repack_and_dequantize_agree():
-    q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
-    s, o = torch.rand(5, 2), torch.randn(5, 2)
-    w = kernels.dequantize_int4(kernels.repack_int4(q, 32), s, o, 32)
-    expected = (q.float().reshape(5, 2, 32) * s[..., None] + o[..., None]).reshape(5, 64)
-    torch.testing.assert_close(w, expected)
 
 
 SHAPES = [(37, 256), (64, 512), (129, 384)] + (
@@ -72,6 +61,41 @@ def test_gemv_matches_reference(fmt, rows, split_k):
         # tf32 tensor cores on GPU for the multi-row path; float32 sums in the interpreter
         tol = 2e-3 if GPU and rows > 1 else 1e-4
         torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("fmt", sorted(FMTS))
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("fusion", ["norm", "glu"])
+def test_gemv_prologue_and_epilogue(fmt, rows, fusion):
+    torch.manual_seed(7)
+    N, K = 48, 256
+    w = make(FMTS[fmt], N, K)
+    x = torch.randn(rows, 2 * K if fusion == "glu" else K, device=DEVICE) * 3
+    fused = dict(residual=torch.randn(rows, N, device=DEVICE))
+    if fusion == "norm":
+        fused.update(norm_weight=torch.rand(K, device=DEVICE) + 0.5, eps=1e-5)
+    else:
+        fused.update(glu=True)
+    ref = kernels.gemv_reference(x, fmt=FMTS[fmt], **w, **fused)
+    cfg = dict(
+        BLOCK_M=1 if rows == 1 else 16,
+        BLOCK_N=16,
+        BLOCK_K=128,
+        SPLIT_K=1,
+        num_warps=4,
+        num_stages=2,
+    )
+    got = kernels.gemv(x, fmt=FMTS[fmt], config=cfg, **w, **fused)
+    tol = 2e-3 if GPU and rows > 1 else 1e-4
+    torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+    # and the reference means what it says
+    plain = x.float()
+    if fusion == "glu":
+        plain = torch.nn.functional.silu(plain[:, :K]) * plain[:, K:]
+    else:
+        plain = torch.nn.functional.rms_norm(plain, (K,), fused["norm_weight"], 1e-5)
+    expected = kernels.gemv_reference(plain, fmt=FMTS[fmt], **w) + fused["residual"]
+    torch.testing.assert_close(ref, expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-4)
 
 
 @pytest.mark.skipif(not GPU, reason="default launch configurations are for CUDA")
