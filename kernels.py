@@ -99,7 +99,7 @@ if triton is not None:
         x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
         M, N, K, eps, stride_xm, stride_wn, stride_sn, stride_rm, stride_ym,
         FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-        GLU: tl.constexpr, RESIDUAL: tl.constexpr,
+        GLU: tl.constexpr, RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
     ):  # fmt: skip
@@ -140,9 +140,12 @@ if triton is not None:
                 g_ok = (k + rg * G) < k_hi  # [NG]
                 w_off = rn[:, None, None] * stride_wn + (k // 2 + rg * HG)[None, :, None] + rj
                 w_ok = n_ok[:, None, None] & g_ok[None, :, None]
-                p = tl.load(w_ptr + w_off, mask=w_ok, other=0)  # [BN, NG, HG] bytes
-                lo = (p & 15).to(tl.float32)
-                hi = (p >> 4).to(tl.float32)
+                p = tl.load(w_ptr + w_off, mask=w_ok, other=0).to(tl.int32)  # [BN, NG, HG]
+                # Nibble to float without int-to-float conversions (a quarter-rate instruction
+                # that would bound the kernel): OR the nibble into the mantissa of 2^23 and
+                # subtract 2^23. The high nibble is kept in place, i.e. times 16.
+                lo = ((p & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                hi = ((p & 240) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
                 s_off = rn[:, None] * stride_sn + (k // G + rg)[None, :]
                 sg_ok = n_ok[:, None] & g_ok[None, :]
                 s = tl.load(s_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)  # [BN, NG]
@@ -152,7 +155,7 @@ if triton is not None:
                     ok = g_ok[:, None]
                     x_lo = _load_x(x_ptr, k_even, ok, k_even, nw_ptr, rstd, K, NORM, GLU)
                     x_hi = _load_x(x_ptr, k_even + 1, ok, k_even + 1, nw_ptr, rstd, K, NORM, GLU)
-                    part = tl.sum(lo * x_lo[None] + hi * x_hi[None], axis=2)  # [BN, NG]
+                    part = tl.sum(lo * x_lo[None] + hi * (x_hi * 0.0625)[None], axis=2)  # [BN, NG]
                     xsum = tl.sum(x_lo, axis=1) + tl.sum(x_hi, axis=1)  # [NG]
                     acc += s * (part - z * xsum[None, :])
                 else:
@@ -165,14 +168,16 @@ if triton is not None:
                     )
                     dt = x_ptr.dtype.element_ty
                     w_lo = ((lo - z[:, :, None]) * s[:, :, None]).to(dt)
-                    w_hi = ((hi - z[:, :, None]) * s[:, :, None]).to(dt)
+                    w_hi = ((hi * 0.0625 - z[:, :, None]) * s[:, :, None]).to(dt)
                     acc += tl.dot(
                         tl.reshape(x_lo.to(dt), [BLOCK_M, BLOCK_K // 2]),
                         tl.trans(tl.reshape(w_lo, [BLOCK_N, BLOCK_K // 2])),
+                        input_precision=DOT_PRECISION,
                     )
                     acc += tl.dot(
                         tl.reshape(x_hi.to(dt), [BLOCK_M, BLOCK_K // 2]),
                         tl.trans(tl.reshape(w_hi, [BLOCK_N, BLOCK_K // 2])),
+                        input_precision=DOT_PRECISION,
                     )
             if BLOCK_M == 1:
                 out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
@@ -202,7 +207,7 @@ if triton is not None:
                     r2 = rstd[:, None] if NORM else 1.0
                     x = _load_x(x_ptr, x_off, x_ok, kk[None, :], nw_ptr, r2, K, NORM, GLU)
                     dt = x_ptr.dtype.element_ty
-                    acc += tl.dot(x.to(dt), tl.trans(w.to(dt)))
+                    acc += tl.dot(x.to(dt), tl.trans(w.to(dt)), input_precision=DOT_PRECISION)
             if BLOCK_M == 1:
                 out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
             else:
@@ -228,7 +233,9 @@ def gemv_config(fmt: int, M: int, N: int, K: int) -> dict:
     # enough 16-byte loads in flight per SM and enough programs to cover its 132 SMs.
     block_m = 1 if M == 1 else 16
     if fmt == INT4:
-        cfg = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=3)
+        cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
+    elif fmt in (INT8, FP8):  # as many bytes per row and step as bfloat16's 512 columns
+        cfg = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=3)
     else:
         cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
     if block_m > 1:
@@ -305,7 +312,8 @@ def _gemv_launch(
         x2.stride(0), weight.stride(0), scales.stride(0) if scales is not None else 0,
         r2.stride(0), y.stride(0),
         FMT=fmt, G=max(groupsize, 2), HAS_BIAS=bias is not None,
-        NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None, **cfg,
+        NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
     )  # fmt: skip
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
