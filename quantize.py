@@ -27,6 +27,7 @@
 import argparse
 import itertools
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -466,7 +467,7 @@ def quantize_checkpoint(
     del state
     # GPTQ runs the model: in float32 on the CPU (bfloat16 matmuls are slow there).
     run_dtype = torch.float32 if mode == "int4-gptq" and device.type == "cpu" else dtype
-    model = load_model(checkpoint_path, device, run_dtype)
+    model = load_model(checkpoint_path, device, run_dtype, use_kernels=False)  # plain linears
     names = linear_names(model, skip_output)
     quant = {"mode": mode, "skip_output": skip_output, "format_version": FORMAT_VERSION}
     if mode.startswith("int4"):
@@ -567,6 +568,11 @@ def main(
     save_atomic(state, output_path)
     size = output_path.stat().st_size / 1e6
     log(f"wrote {output_path} ({size:.1f} MB) in {time.perf_counter() - t0:.1f} s")
+    peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB RSS"  # kB on Linux
+    if dev.type == "cuda":
+        log(f"peak memory: {torch.cuda.max_memory_allocated(dev) / 1e9:.2f} GB GPU, {peak}")
+    else:
+        log(f"peak memory: {peak}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,7 @@
 # quantize.py: each quantized linear against F.linear on its own dequantized weight, the
 # checkpoint round trip, tied/untied/skipped heads, the command line, CPU -> CUDA, and the real
 # SmolLM2-135M-Instruct in int8.
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ def run(*args, check=True):
 def logits_of(model, ids):
     model.setup_caches(1, ids.shape[1])
     with torch.no_grad():
-        return model(ids, torch.arange(ids.shape[1]))
+        return model(ids, torch.arange(ids.shape[1], device=ids.device))
 
 
 def swapped(model, mode, groupsize, skip_output=False):
@@ -302,3 +303,24 @@ def test_real_model_int8_greedy_answer(smollm2_int8):
     new = generate(model, torch.tensor([ids]), 12, temperature=0, stop_ids=tok.stop_ids)[0]
     text = tok.decode(new, skip_special=True)
     assert "Paris" in text, text
+
+
+def test_perplexity_benchmark_end_to_end(tiny, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("Hello, my name is fastgen. The capital of France is Paris.\n" * 200)
+    out = tmp_path / "results.json"
+    proc = run(
+        "-m", "scripts.perplexity", "--checkpoint_dir", tiny.parent, "--text_file", text,
+        "--modes", "float32,int8,int4.g32,int4-gptq.g32,int4.g128", "--tokens", "256",
+        "--window", "64", "--calibration_limit", "2", "--calibration_seq_length", "64",
+        "--out", out,
+    )  # fmt: skip
+    results = json.loads(out.read_text())["results"]
+    assert results["float32"]["perplexity"] > 1
+    assert abs(results["int8"]["perplexity"] / results["float32"]["perplexity"] - 1) < 0.05
+    assert results["int4-gptq.g32"]["perplexity"] > 1
+    assert "not a multiple of --groupsize 128" in results["int4.g128"]["error"]
+    assert "| int8 |" in proc.stdout
+    assert not [p for p in tiny.parent.iterdir() if p.name.startswith("tmp")]  # cleaned up
+    as_file = run("scripts/perplexity.py", "--help", check=False)
+    assert as_file.returncode != 0 and "python -m scripts.perplexity" in as_file.stderr
