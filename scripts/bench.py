@@ -75,8 +75,8 @@ def random_model(name: str, mode: str, device, dtype, use_kernels: bool = True) 
     # Same path as loading a checkpoint: build on meta, materialise, quantize, kernels.
     config = ModelArgs.from_name(name) if isinstance(name, str) else name
     with torch.device("meta"):
-        model = Transformer(config)
-    model = model.to_empty(device=device).to(dtype)
+        model = Transformer(config).to(dtype)  # dtype first: materialise once, in the target dtype
+    model = model.to_empty(device=device)
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
