@@ -133,12 +133,6 @@ def run(*args, check=True, **kwargs):
     return proc
 
 
-@pytest.mark.parametrize("script", ["generate.py", "scripts/convert_hf_checkpoint.py"])
-def test_help(script):
-    out = run(script, "--help").stdout
-    assert "--" in out and "usage" in out
-
-
 def test_end_to_end_generate(tiny_checkpoint):
     args = [
         "generate.py",
