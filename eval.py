@@ -43,6 +43,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import Tensor
 from tqdm import tqdm
 
+import tp
 from generate import (
     DEFAULT_CHECKPOINT,
     PRECISIONS,
@@ -54,6 +55,7 @@ from generate import (
     load_model,
     log,
     pick_device,
+    setup_for_device,
     sync,
 )
 from model import ConfigError, Transformer
@@ -454,6 +456,7 @@ def main(
         if bench_batching is not None and bench_batching < 1:
             raise UserError(f"--bench_batching must be >= 1, got {bench_batching}")
         dev = pick_device(device)
+        rank, world = tp.maybe_init_distributed(dev)  # torchrun: one rank per GPU
         if checkpoint_path is None:
             checkpoint_path = DEFAULT_CHECKPOINT
             if not checkpoint_path.is_file():
@@ -468,11 +471,11 @@ def main(
         if bench_batching is None:
             manager, task_objs = load_tasks(names, include_path)
 
-        # Tensor parallelism slots in here: tp.maybe_init_distributed() before loading, then
-        # tp.apply_tp(model) after load_model() and before FastgenLM sets up the caches.
         t0 = time.perf_counter()
         tok = get_tokenizer(checkpoint_path.parent)
-        model = load_model(checkpoint_path, dev, dtype)
+        # Under torchrun each rank loads on the CPU (mmap) and keeps its shard of the model.
+        model = load_model(checkpoint_path, dev if world == 1 else "cpu", dtype, use_kernels=False)
+        model = setup_for_device(tp.apply_tp(model, rank, world, dev), dev)
         log(f"loaded {checkpoint_path} in {time.perf_counter() - t0:.2f} s")
         block_size = model.config.block_size
         max_seq_len = max_seq_length or min(block_size, DEFAULT_MAX_SEQ_LENGTH)
@@ -498,7 +501,7 @@ def main(
                 return
             results["config"]["checkpoint_path"] = str(checkpoint_path)
             results["config"]["compile"] = compile
-    except (UserError, CheckpointError, ConfigError, TokenizerError) as e:
+    except (UserError, CheckpointError, ConfigError, TokenizerError, tp.TPError) as e:
         sys.exit(f"error: {e}")
     if output is not None and is_rank0():
         from lm_eval.utils import handle_non_serializable

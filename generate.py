@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+import tp
 from model import ConfigError, ModelArgs, Transformer
 from tokenizer import StreamDecoder, TokenizerError, get_tokenizer
 
@@ -415,6 +416,7 @@ def main(
     try:
         check_sampling(temperature, top_k, top_p)
         dev = pick_device(device)
+        rank, world = tp.maybe_init_distributed(dev)  # torchrun: one rank per GPU
         if checkpoint_path is None:
             checkpoint_path = DEFAULT_CHECKPOINT
             if not checkpoint_path.is_file():
@@ -424,15 +426,19 @@ def main(
                 )
         if (speculate_ngram or draft_checkpoint_path) and interactive:
             raise UserError("speculative decoding is not available in --interactive mode")
+        if interactive and world > 1:
+            raise UserError("--interactive is not available under torchrun")
         dtype = PRECISIONS[precision or ("bfloat16" if dev.type == "cuda" else "float32")]
-        if seed is not None:
-            torch.manual_seed(seed)
+        tp.sync_seed(seed)  # under torchrun, one seed on every rank: all sample the same
         t0 = time.perf_counter()
         tok = get_tokenizer(checkpoint_path.parent)
-        model = load_model(checkpoint_path, dev, dtype, use_kernels=kernels)
+        # Under torchrun each rank loads on the CPU (mmap) and keeps its shard: a GPU never
+        # holds the whole model.
+        model = load_model(checkpoint_path, dev if world == 1 else "cpu", dtype, use_kernels=False)
+        model = setup_for_device(tp.apply_tp(model, rank, world, dev), dev, kernels)
         log(f"loaded {checkpoint_path} in {time.perf_counter() - t0:.2f} s")
         run_main(**locals())
-    except (UserError, CheckpointError, ConfigError, TokenizerError) as e:
+    except (UserError, CheckpointError, ConfigError, TokenizerError, tp.TPError) as e:
         sys.exit(f"error: {e}")
 
 

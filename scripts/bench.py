@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+import tp
 from generate import (
     PRECISIONS,
     UserError,
@@ -94,7 +95,7 @@ def random_model(name: str, mode: str, device, dtype, use_kernels: bool = True) 
             linear = getattr(parent, child)
             setattr(parent, child, quantize.quantize_linear(linear, kind, int(group or 0) or None))
         quantize.finalize_model(model, device)
-    return setup_for_device(model.eval(), device, use_kernels)
+    return setup_for_device(tp.apply_tp(model.eval()), device, use_kernels)  # torchrun: shard
 
 
 def kv_bytes(model: Transformer, length: int, batch: int = 1) -> int:
@@ -375,6 +376,8 @@ def main(
 ):  # fmt: skip
     try:
         dev = pick_device(device)
+        if tp.maybe_init_distributed(dev)[0] > 0:  # torchrun: one rank per GPU
+            out = plot_path = None  # rank 0 writes the files
         dtype = PRECISIONS[precision or ("bfloat16" if dev.type == "cuda" else "float32")]
         names = models.split(",")
         for name in names:
