@@ -143,8 +143,8 @@ def gptq_int4(
 ) -> tuple[Tensor, Tensor, Tensor]:
     # w [out, in]; hessian [in, in] (any positive multiple of X^T X) -> q uint8 [out, in] in
     # 0..15, scales, zeros float32 [out, in/groupsize] (bfloat16 values), as quantize_int4.
-    W = w.float().clone()
-    H = hessian.float().clone()
+    W = w.to(torch.float32, copy=True)  # [out, in], updated in place as columns are done
+    H = hessian.to(torch.float32, copy=True)
     out, n = W.shape
     n_groups = n // groupsize
     dead = H.diagonal() == 0  # inputs that were always zero: their weights do not matter
