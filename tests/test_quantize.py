@@ -262,20 +262,24 @@ def test_cpu_checkpoint_runs_the_same_on_cuda(tiny_untied, tmp_path, mode, group
     path = tmp_path / "q.pth"
     quantize.save_atomic(quantize.quantize_checkpoint(tiny_untied, mode, groupsize), path)
     (tmp_path / "config.json").write_text((tiny_untied.parent / "config.json").read_text())
-    ids = torch.randint(0, 320, (1, 16))
+    ids = torch.randint(0, 320, (1, 40))
     cpu = logits_of(load_model(path, "cpu", torch.float32), ids)
-    cuda = logits_of(load_model(path, "cuda", torch.float32), ids.cuda()).cpu()
-    torch.testing.assert_close(cuda, cpu, rtol=1e-4, atol=1e-4)
-    # bfloat16 on CUDA (int4 through tinygemm where it applies) stays near the float32 result.
+    # float32 through quantize.py's own functions: the same numbers up to summation order.
+    cuda = load_model(path, "cuda", torch.float32, use_kernels=False)
+    torch.testing.assert_close(logits_of(cuda, ids.cuda()).cpu(), cpu, rtol=1e-4, atol=1e-4)
+    # bfloat16 the way generate.py loads it (kernels on; int4 prefill through tinygemm) stays
+    # near the float32 result.
     model16 = load_model(path, "cuda", torch.bfloat16)
+    head = getattr(model16.output, "linear", model16.output)  # kernels.py may wrap it
+    if mode == "int4" and hasattr(torch.ops.aten, "_convert_weight_to_int4pack"):
+        assert head.tinygemm_weight is not None
     got16 = logits_of(model16, ids.cuda()).float().cpu()
     assert (got16 - cpu).norm() / cpu.norm() < 0.05
     if mode == "int4":
-        # Same tensors whether quantized on CPU or CUDA.
+        # Quantizing on CUDA gives the same tensors as on the CPU.
         on_cuda = quantize.quantize_checkpoint(tiny_untied, mode, groupsize, device="cuda")
         on_cpu = torch.load(path, weights_only=True)
-        mismatched = sum(not torch.equal(on_cuda[k], on_cpu[k]) for k in on_cpu if k != QUANT_KEY)
-        assert mismatched == 0
+        assert all(torch.equal(on_cuda[k], on_cpu[k]) for k in on_cpu if k != QUANT_KEY)
 
 
 @pytest.fixture(scope="module")
