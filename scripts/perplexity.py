@@ -79,7 +79,9 @@ def perplexity(model, windows: torch.Tensor, progress: bool = True) -> float:
     return math.exp(nll / (n * (width - 1)))
 
 
-def evaluate_mode(mode, checkpoint, windows, calibration, precision, device, gptq_kwargs, tmp):
+def evaluate_mode(
+    mode, checkpoint, windows, calibration, precision, device, skip_output, gptq_kwargs, tmp
+):
     # -> (perplexity, size of the weights file in MB)
     name, groupsize = parse_mode(mode)
     if name in PRECISIONS:
@@ -89,6 +91,7 @@ def evaluate_mode(mode, checkpoint, windows, calibration, precision, device, gpt
         checkpoint,
         name,
         groupsize,
+        skip_output=skip_output,
         device=device,
         calibration=calibration if name == "int4-gptq" else None,
         **(gptq_kwargs if name == "int4-gptq" else {}),
@@ -138,6 +141,7 @@ def main(
     percdamp: float,
     blocksize: int,
     act_order: bool,
+    skip_output: bool,
     device: str,
     out: Path | None,
 ):
@@ -173,6 +177,7 @@ def main(
         "windows": f"{n_windows} x {window}",
         "device": device,
         "precision_of_quantized_modes": precision,
+        "skip_output": skip_output,
         "gptq": dict(
             calibration=f"{0 if calibration is None else calibration.shape[0]} x "
             f"{calibration_seq_length} tokens after the evaluated slice",
@@ -193,7 +198,15 @@ def main(
             t0 = time.perf_counter()
             try:
                 ppl, size = evaluate_mode(
-                    mode, checkpoint, windows, calibration, precision, device, gptq_kwargs, tmp
+                    mode,
+                    checkpoint,
+                    windows,
+                    calibration,
+                    precision,
+                    device,
+                    skip_output,
+                    gptq_kwargs,
+                    tmp,
                 )
                 result = dict(perplexity=ppl, file_mb=size, seconds=time.perf_counter() - t0)
                 log(f"{mode}: perplexity {ppl:.4f} ({result['seconds']:.0f} s)")
@@ -234,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocksize", type=int, default=128, help="GPTQ block size")
     p.add_argument(
         "--act_order", action=argparse.BooleanOptionalAction, default=False, help="GPTQ act-order"
+    )
+    p.add_argument(
+        "--skip_output",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="keep the output head in float in the quantized modes",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
