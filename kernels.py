@@ -94,6 +94,105 @@ if triton is not None:
             x = x * rstd * tl.load(nw_ptr + k_idx, mask=mask, other=0).to(tl.float32)
         return x
 
+    # Quantized weights as 32-bit words, one row of x: the integer-to-float conversion is the
+    # bottleneck of a quantized GEMV (int-to-float instructions run at a quarter of the FP32
+    # rate), so each byte or nibble is ORed into the mantissa of 1.0 instead: with the value u
+    # at mantissa bits b.., the float is 1 + u * 2^(b-23), exact. Summing v * x' with
+    # x' = x * 2^(23-b) gives sum(x') + sum(u * x); the first term is known from x alone and
+    # subtracted once per group. One logic op (and+or fuse into LOP3) plus a shared shift per
+    # weight, and one FMA. The bits are kept at b >= 8 so that the cancellation loses
+    # little: products are exact to 2^-24 of |x| while the signal is >= 2^-15 |x|.
+
+    @triton.jit
+    def _int8_words(
+        x_ptr, w_ptr, nw_ptr, rstd, K, stride_wn, rn, n_ok, k_lo, k_hi,
+        NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # int8 rows as int32 words: byte t of word j is k = 4j + t. XOR 0x80 makes u = q + 128
+        # unsigned; each byte is moved to bits 8..15 (b = 8), v = 1 + u / 2^15. -> [1, BLOCK_N]
+        BW: tl.constexpr = BLOCK_K // 4
+        rw = tl.arange(0, BW)
+        acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+        xs = tl.zeros([BW], dtype=tl.float32)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            kw = k // 4 + rw  # [BW] word index
+            w_ok = n_ok[:, None] & (kw < k_hi // 4)[None, :]
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :], mask=w_ok, other=0)
+            w = w ^ -2139062144  # 0x80808080: q + 128 in every byte
+            x_off = 4 * kw[:, None] + tl.arange(0, 4)[None, :]  # [BW, 4]
+            x4 = _load_x(x_ptr, x_off, x_off < k_hi, x_off, nw_ptr, rstd, K, NORM, GLU)
+            xs += tl.sum(x4, axis=1)
+            x_even, x_odd = tl.split(tl.reshape(x4 * 32768.0, [BW, 2, 2]))  # t = 2a + c
+            x0, x2 = tl.split(x_even)
+            x1, x3 = tl.split(x_odd)
+            v0 = (((w << 8) & 0xFF00) | 0x3F800000).to(tl.float32, bitcast=True)
+            v1 = ((w & 0xFF00) | 0x3F800000).to(tl.float32, bitcast=True)
+            v2 = (((w >> 8) & 0xFF00) | 0x3F800000).to(tl.float32, bitcast=True)
+            v3 = (((w >> 16) & 0xFF00) | 0x3F800000).to(tl.float32, bitcast=True)
+            acc += v0 * x0[None, :] + v1 * x1[None, :] + v2 * x2[None, :] + v3 * x3[None, :]
+        # sum(v * x') = 2^15 sum(x) + sum((q + 128) x)
+        return (tl.sum(acc, axis=1) - (32768.0 + 128.0) * tl.sum(xs))[None, :]
+
+    @triton.jit
+    def _int4_words(
+        x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rstd, K, stride_wn, stride_sn, rn, n_ok, k_lo, k_hi,
+        G: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # int4 rows as int32 words: nibble i (bits 4i..4i+3) of word j is k = 8j + i, the
+        # stored format read as is. Shifts by 12, 4, 0, -8, -12 bring every nibble to bits
+        # 12..15 (b = 12) or 16..19 (b = 16). w = (q - zero) * scale per group of G.
+        NG: tl.constexpr = BLOCK_K // G
+        WG: tl.constexpr = G // 8
+        rg = tl.arange(0, NG)
+        rw = tl.arange(0, WG)
+        ri = tl.arange(0, 8)
+        # 2^(23-b) for nibble i: b = 16 for i in (1, 4, 6, 7), else 12
+        high = (ri == 1) | (ri == 4) | (ri == 6) | (ri == 7)
+        x_scale = tl.where(high, 128.0, 2048.0)
+        acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            g_ok = (k + rg * G) < k_hi  # [NG]
+            kw = (k // 8 + rg * WG)[:, None] + rw[None, :]  # [NG, WG] word index
+            w_ok = n_ok[:, None, None] & g_ok[None, :, None]
+            w = tl.load(w_ptr + rn[:, None, None] * stride_wn + kw[None], mask=w_ok, other=0)
+            x_off = 8 * kw[:, :, None] + ri[None, None, :]  # [NG, WG, 8]
+            x8 = _load_x(
+                x_ptr, x_off, g_ok[:, None, None], x_off, nw_ptr, rstd, K, NORM, GLU
+            )  # fmt: skip
+            xsum = tl.sum(tl.sum(x8, axis=2), axis=1)  # [NG]
+            x8 = x8 * x_scale[None, None, :]
+            xs_sum = tl.sum(tl.sum(x8, axis=2), axis=1)  # [NG]
+            # i = 4a + 2b + c: split off c, then b, then a
+            x_c0, x_c1 = tl.split(tl.reshape(x8, [NG, WG, 2, 2, 2]))
+            x_c0b0, x_c0b1 = tl.split(x_c0)
+            x_c1b0, x_c1b1 = tl.split(x_c1)
+            x0, x4 = tl.split(x_c0b0)
+            x2, x6 = tl.split(x_c0b1)
+            x1, x5 = tl.split(x_c1b0)
+            x3, x7 = tl.split(x_c1b1)
+            w12 = w << 12
+            w4 = w << 4
+            w8 = w >> 8
+            w12r = w >> 12
+            v0 = ((w12 & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v1 = ((w12 & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v2 = ((w4 & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v3 = ((w & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v4 = ((w & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v5 = ((w8 & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v6 = ((w8 & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v7 = ((w12r & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
+            t = v0 * x0[None] + v1 * x1[None] + v2 * x2[None] + v3 * x3[None]
+            t += v4 * x4[None] + v5 * x5[None] + v6 * x6[None] + v7 * x7[None]
+            qx = tl.sum(t, axis=2) - xs_sum[None, :]  # [BN, NG]: sum over the group of q * x
+            s_off = rn[:, None] * stride_sn + (k // G + rg)[None, :]
+            sg_ok = n_ok[:, None] & g_ok[None, :]
+            s = tl.load(s_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)  # [BN, NG]
+            z = tl.load(z_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)
+            acc += s * (qx - z * xsum[None, :])
+        return tl.sum(acc, axis=1)[None, :]  # [1, BN]
+
     @triton.jit
     def _gemv_kernel(
         x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
@@ -101,7 +200,7 @@ if triton is not None:
         FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
         GLU: tl.constexpr, RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, WORDS: tl.constexpr,
     ):  # fmt: skip
         # y[m, n] = sum_k x'[m, k] * W[n, k] (+ bias[n]) (+ residual[m, n]), x' = prologue(x).
         # BLOCK_M == 1: elementwise products summed once at the end (no tensor cores needed);
@@ -125,7 +224,18 @@ if triton is not None:
                 xs = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=x_ok, other=0)
                 ss += xs.to(tl.float32) * xs.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)  # [BLOCK_M]
-        if FMT == 2:
+        if WORDS and FMT == 1:
+            out = _int8_words(
+                x_ptr, w_ptr, nw_ptr, rstd, K, stride_wn, rn, n_ok, k_lo, k_hi,
+                NORM, GLU, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            out = out * tl.load(s_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
+        elif WORDS and FMT == 2:
+            out = _int4_words(
+                x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rstd, K, stride_wn, stride_sn, rn, n_ok,
+                k_lo, k_hi, G, NORM, GLU, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        elif FMT == 2:
             # int4, stored format: byte j of a row holds k = 2j (low nibble) and 2j + 1 (high);
             # w = (q - zero) * scale per group of G along k.
             NG: tl.constexpr = BLOCK_K // G
@@ -238,13 +348,17 @@ def gemv_config(fmt: int, M: int, N: int, K: int) -> dict:
         cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
     if block_m > 1:
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], 16)
+    return dict(cfg, BLOCK_M=block_m, SPLIT_K=split_k(N, K, cfg["BLOCK_N"], cfg["BLOCK_K"]))
+
+
+def split_k(N: int, K: int, block_n: int, block_k: int) -> int:
     # Split K only when the output is too narrow to give every SM a program: the atomics need
     # a zeroed float32 output and a cast, two more kernels.
-    programs = triton.cdiv(N, cfg["BLOCK_N"])
-    split_k = 1
-    while programs * split_k < 132 and K // (split_k * 2) >= 2 * cfg["BLOCK_K"]:
-        split_k *= 2
-    return dict(cfg, BLOCK_M=block_m, SPLIT_K=split_k)
+    programs = triton.cdiv(N, block_n)
+    split = 1
+    while programs * split < 132 and K // (split * 2) >= 2 * block_k:
+        split *= 2
+    return split
 
 
 def gemv(
@@ -299,6 +413,17 @@ def _gemv_launch(
     r2 = residual.reshape(M, N) if residual is not None else y
     if weight.dtype == torch.float8_e4m3fn:
         weight = weight.view(torch.uint8)
+    words = cfg.pop("WORDS", None)
+    if words is None:  # one row and a word-aligned quantized weight: the 32-bit-word path
+        words = (
+            fmt in (INT8, INT4)
+            and cfg["BLOCK_M"] == 1
+            and weight.shape[1] % 4 == 0
+            and weight.stride(1) == 1
+            and weight.storage_offset() % 4 == 0
+        )
+    if words:
+        weight = weight.view(torch.int32)  # [N, K/4] for int8, [N, K/8] for int4
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k)
     _gemv_kernel[grid](
         x2, weight,
@@ -311,7 +436,7 @@ def _gemv_launch(
         r2.stride(0), y.stride(0),
         FMT=fmt, G=max(groupsize, 2), HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", WORDS=words, **cfg,
     )  # fmt: skip
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 

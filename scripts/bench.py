@@ -252,23 +252,40 @@ def make_weight(fmt, N, K, device, groupsize=32):
     return dict(weight=weight, scales=scales, zeros=zeros, groupsize=groupsize)
 
 
-def bench_gemv(fmt, N, K, device, bandwidth, config=None, groupsize=32, rows=1):
-    # Achieved read bandwidth of one GEMV, weights rotated through copies larger than L2.
+def layer_fusion(layer: str, K: int, device) -> dict:
+    # What a decode step fuses into each GEMV (kernels.FusedBlock): RMSNorm before wqkv and w13,
+    # SwiGLU before w2, the residual add after wo and w2.
+    g = torch.Generator(device=device).manual_seed(3)
+    if layer in ("wqkv", "w13"):
+        return dict(norm_weight=torch.rand(K, device=device, generator=g).to(torch.bfloat16))
+    if layer == "w2":
+        return dict(glu=True, residual=True)
+    if layer == "wo":
+        return dict(residual=True)
+    return {}
+
+
+def bench_gemv(fmt, N, K, device, bandwidth, config=None, groupsize=32, rows=1, fusion=None):
+    # Achieved read bandwidth of one GEMV (with its layer's fusion), weights rotated through
+    # copies larger than L2.
     import kernels
 
+    fused = dict(fusion or {})
     one = make_weight(fmt, N, K, device, groupsize)
     nbytes = sum(t.numel() * t.element_size() for t in one.values() if torch.is_tensor(t))
     copies = [one] + [make_weight(fmt, N, K, device, groupsize) for _ in range(L2_BYTES // nbytes)]
-    x = torch.randn(rows, K, device=device, dtype=torch.bfloat16)
-    ref = kernels.gemv_reference(x, **one, fmt=fmt)
-    got = kernels.gemv(x, **one, fmt=fmt, config=config)
+    x = torch.randn(rows, 2 * K if fused.get("glu") else K, device=device, dtype=torch.bfloat16)
+    if fused.get("residual"):
+        fused["residual"] = torch.randn(rows, N, device=device, dtype=torch.bfloat16)
+    ref = kernels.gemv_reference(x, **one, fmt=fmt, **fused)
+    got = kernels.gemv(x, **one, fmt=fmt, config=config, **fused)
     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
     # 20 launches over rotating copies in one CUDA graph, as in a decode step: timing replays
     # measures the GPU, not Python's launch overhead.
     def run_many():
         for i in range(20):
-            kernels.gemv(x, **copies[i % len(copies)], fmt=fmt, config=config)
+            kernels.gemv(x, **copies[i % len(copies)], fmt=fmt, config=config, **fused)
 
     if device.type == "cuda":
         run_many()  # compile before capture
@@ -305,21 +322,24 @@ def bench_kernels(models, device, bandwidth, sweep=False):
     results = []
     for name in models:
         for layer, (N, K) in gemv_shapes(ModelArgs.from_name(name)).items():
+            fusion = layer_fusion(layer, K, device)
             for mode, fmt in fmts.items():
                 if sweep and (layer not in SWEEP_LAYERS or mode in ("int4.g128", "fp8")):
                     continue
                 g = int(mode.partition(".g")[2] or 32)
                 if fmt == kernels.INT4 and K % g:
                     continue
-                configs = sweep_configs(fmt) if sweep else [None]
+                configs = sweep_configs(fmt, N, K) if sweep else [None]
                 best = None
                 for cfg in configs:
                     try:
-                        r = bench_gemv(fmt, N, K, device, bandwidth, cfg, groupsize=g)
+                        r = bench_gemv(fmt, N, K, device, bandwidth, cfg, g, fusion=fusion)
                     except Exception as e:  # noqa: BLE001 - a sweep config may not compile
                         log(f"  config {cfg} failed: {str(e).splitlines()[0][:100]}")
                         continue
                     r.update(model=name, layer=layer, mode=mode, config=cfg)
+                    if sweep:
+                        log(f"    {cfg}: {r['us']:.1f} us ({r['pct']:.0f}%)")
                     if best is None or r["pct"] > best["pct"]:
                         best = r
                 if best is None:
@@ -333,17 +353,25 @@ def bench_kernels(models, device, bandwidth, sweep=False):
     return results
 
 
-def sweep_configs(fmt):
-    # The launch parameters that matter most: rows per program, columns per step, warps.
+def sweep_configs(fmt, N, K):
+    # The launch parameters that matter most: rows per program, columns per step, warps; for
+    # the quantized formats also the element-wise path against the 32-bit-word one. The
+    # default configuration comes first.
     import kernels
 
-    blocks_k = (256, 512) if fmt == kernels.INT4 else (512, 1024)
-    return [
-        dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=1, num_warps=warps, num_stages=3)
-        for bn in (8, 16, 32)
-        for bk in blocks_k
-        for warps in (4, 8)
-    ]
+    default = kernels.gemv_config(fmt, 1, N, K)
+    if fmt == kernels.FLOAT:
+        grid = [(bn, bk, 4) for bn in (4, 8, 16) for bk in (512, 1024)]
+    else:
+        blocks_k = (1024, 2048) if fmt == kernels.INT8 else (512, 1024)
+        grid = [(bn, bk, w) for bn in (8, 16, 32) for bk in blocks_k for w in (4, 8)]
+    configs = [default]
+    if fmt in (kernels.INT8, kernels.INT4):
+        configs.append(dict(default, WORDS=False))
+    for bn, bk, warps in grid:
+        split = kernels.split_k(N, K, bn, bk)
+        configs.append(dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, SPLIT_K=split))
+    return configs
 
 
 # ---------------------------------------------------------------------------------------------

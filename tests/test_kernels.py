@@ -58,8 +58,11 @@ def test_gemv_matches_reference(fmt, rows, split_k):
         )
         poison()
         got = kernels.gemv(x, fmt=FMTS[fmt], bias=b, config=cfg, **w)
-        # tf32 tensor cores on GPU for the multi-row path; float32 sums in the interpreter
+        # tf32 tensor cores on GPU for the multi-row path; float32 sums in the interpreter.
+        # One row of int8/int4 goes through the 32-bit-word path, exact to about 2^-14 of |y|.
         tol = 2e-3 if GPU and rows > 1 else 1e-4
+        if rows == 1 and fmt in ("int8", "int4"):
+            tol = 3e-4
         torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
@@ -96,6 +99,24 @@ def test_gemv_prologue_and_epilogue(fmt, rows, fusion):
         plain = torch.nn.functional.rms_norm(plain, (K,), fused["norm_weight"], 1e-5)
     expected = kernels.gemv_reference(plain, fmt=FMTS[fmt], **w) + fused["residual"]
     torch.testing.assert_close(ref, expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("words", [True, False])
+def test_gemv_quantized_paths(fmt, words):
+    # The 32-bit-word path and the element-wise one, with odd row counts and a K that is not a
+    # multiple of 4 for int8 (words=None then picks the element-wise path by itself).
+    torch.manual_seed(11)
+    K = 384 if fmt == "int4" else 258
+    w = make(FMTS[fmt], 45, K, groupsize=128 if fmt == "int4" else 32)
+    x = torch.randn(1, K, device=DEVICE)
+    ref = kernels.gemv_reference(x, fmt=FMTS[fmt], **w)
+    cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=2)
+    if fmt == "int4" or not words:
+        cfg["WORDS"] = words
+    poison()
+    got = kernels.gemv(x, fmt=FMTS[fmt], config=cfg, **w)
+    torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
 
 
 @pytest.mark.skipif(not GPU, reason="default launch configurations are for CUDA")
