@@ -1,6 +1,7 @@
 # The Llama-family decoder: GQA, RoPE (plain, linear and Llama-3.1 scaled), SwiGLU, RMSNorm,
-# optional q/k/v bias (Qwen2), tied or untied output head, and a static KV cache written in place
-# at `input_pos` so that shapes never change under torch.compile.
+# optional q/k/v bias (Qwen2), tied or untied output head, Mixture-of-Experts feed-forward layers
+# (Mixtral; moe.py, imported only for such models), and a static KV cache written in place at
+# `input_pos` so that shapes never change under torch.compile.
 #
 #   from model import ModelArgs, Transformer
 #   model = Transformer(ModelArgs.from_name("stories15M"))
@@ -43,6 +44,8 @@ class ModelArgs:
     tie_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False  # Llama's attention_bias also biases o_proj; Qwen2 biases q/k/v only
+    num_experts: int = 0  # Mixture-of-Experts feed-forward with this many experts; 0: dense
+    num_activated_experts: int = 2  # experts per token (MoE only)
 
     def __post_init__(self):
         # Fill only what was left unset; never overwrite a given value.
@@ -55,6 +58,11 @@ class ModelArgs:
         if self.n_head % self.n_kv_heads:
             raise ConfigError(
                 f"n_head ({self.n_head}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.num_experts and not 0 < self.num_activated_experts <= self.num_experts:
+            raise ConfigError(
+                f"num_activated_experts ({self.num_activated_experts}) must be in "
+                f"1..num_experts ({self.num_experts})"
             )
         if self.o_bias and not self.qkv_bias:
             raise ConfigError("an o_proj bias without q/k/v bias is not a supported layout")
@@ -74,10 +82,13 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
-        # Maps a Hugging Face config.json (Llama, Mistral, Qwen2; transformers 4 or 5 style).
+        # Maps a Hugging Face config.json (Llama, Mistral, Qwen2, Mixtral; transformers 4 or 5
+        # style). Mixtral's router options (jitter noise, aux loss) only matter in training; its
+        # sliding window is null in the released configs and otherwise treated as Mistral's.
         arch = (cfg.get("architectures") or [""])[0]
         model_type = cfg.get("model_type", "")
-        if model_type not in ("llama", "mistral", "qwen2") and arch not in _ARCHITECTURES:
+        known_type = model_type in ("llama", "mistral", "qwen2", "mixtral")
+        if not known_type and arch not in _ARCHITECTURES:
             raise ConfigError(
                 f"unsupported architecture {arch or model_type!r} "
                 f"(supported: {', '.join(sorted(_ARCHITECTURES))})"
@@ -108,6 +119,8 @@ class ModelArgs:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias", False)) or model_type == "qwen2",
             o_bias=bool(cfg.get("attention_bias", False)),
+            num_experts=cfg.get("num_local_experts", 0),
+            num_activated_experts=cfg.get("num_experts_per_tok", 2),
         )
 
     def to_config(self) -> dict:
@@ -129,13 +142,28 @@ class ModelArgs:
             "tie_word_embeddings": self.tie_embeddings,
             "attention_bias": self.qkv_bias,
             **({} if self.o_bias == self.qkv_bias else {"model_type": "qwen2"}),
+            **(
+                {
+                    "architectures": ["MixtralForCausalLM"],
+                    "model_type": "mixtral",
+                    "num_local_experts": self.num_experts,
+                    "num_experts_per_tok": self.num_activated_experts,
+                }
+                if self.num_experts
+                else {}
+            ),
         }
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+}
 
 _LLAMA31_SCALING = dict(
     rope_type="llama3",
@@ -236,6 +264,29 @@ transformer_configs = {
         head_dim=128,
         tie_embeddings=True,
         rope_scaling=_LLAMA32_SCALING,
+    ),
+    "Mixtral-8x7B": dict(
+        block_size=32768,
+        n_layer=32,
+        n_head=32,
+        n_kv_heads=8,
+        dim=4096,
+        intermediate_size=14336,
+        rope_base=1000000.0,
+        num_experts=8,
+        num_activated_experts=2,
+    ),
+    "Mixtral-8x22B": dict(
+        block_size=65536,
+        vocab_size=32768,  # the Instruct model's (v0.1 base: 32000)
+        n_layer=56,
+        n_head=48,
+        n_kv_heads=8,
+        dim=6144,
+        intermediate_size=16384,
+        rope_base=1000000.0,
+        num_experts=8,
+        num_activated_experts=2,
     ),
     "stories15M": dict(block_size=256, n_layer=6, n_head=6, dim=288, intermediate_size=768),
     "stories42M": dict(block_size=1024, n_layer=8, n_head=8, dim=512, intermediate_size=1376),
@@ -373,7 +424,12 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelArgs):
         super().__init__()
         self.attention = Attention(config)
-        self.feed_forward = FeedForward(config)
+        if config.num_experts:
+            from moe import MOEFeedForward  # only MoE models need it
+
+            self.feed_forward = MOEFeedForward(config)
+        else:
+            self.feed_forward = FeedForward(config)
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
