@@ -556,11 +556,17 @@ def convert_gguf(
     if dtype not in DTYPES:
         raise ConversionError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     reader = open_gguf(gguf_file)
-    config = config_from_gguf(reader, gguf_file, dtype)
-    plan = tensor_plan(config)
-    check_tensors(reader, plan, gguf_file)
-    tokenizer, tokenizer_config = build_tokenizer(reader, gguf_file)
-    state_dict = convert_tensors(reader, plan, DTYPES[dtype], progress=progress)
+    try:
+        config = config_from_gguf(reader, gguf_file, dtype)
+        plan = tensor_plan(config)
+        check_tensors(reader, plan, gguf_file)
+        tokenizer, tokenizer_config = build_tokenizer(reader, gguf_file)
+        state_dict = convert_tensors(reader, plan, DTYPES[dtype], progress=progress)
+    except (ValueError, TypeError, IndexError, KeyError, OverflowError) as e:
+        # A flipped bit turns a count into a string, a name into bytes that are not UTF-8, a
+        # shape into nonsense: whatever the reader or this parsing trips on is the file's fault.
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConversionError(f"{gguf_file} is not a valid GGUF file (corrupt: {reason})") from e
 
     try:
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -581,6 +587,9 @@ def main(gguf_file: Path, checkpoint_dir: Path, dtype: str) -> None:
     except ConversionError as e:
         print(f"convert_gguf: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C: write_atomic has already removed its temporary file
+        print("convert_gguf: interrupted, no model.pth written", file=sys.stderr)
+        sys.exit(130)
     print(
         f"wrote {checkpoint_dir} ({config['num_hidden_layers']} layers, dim "
         f"{config['hidden_size']}, {dtype}) in {time.perf_counter() - start:.1f} s",

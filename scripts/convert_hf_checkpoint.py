@@ -112,14 +112,22 @@ def convert_state_dict(tensor_iter, config: dict, dtype: torch.dtype | None = No
         if name in _GLOBAL_KEYS:
             out[_GLOBAL_KEYS[name]] = t
             continue
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer HF recomputes; nothing we need
         m = _LAYER_RE.fullmatch(name)
-        if m is None or m.group(2).endswith("rotary_emb.inv_freq"):
-            continue  # buffers HF recomputes; nothing we need
+        if m is None:  # e.g. an lm_head bias: a layout model.py does not have
+            raise ConversionError(f"unexpected tensor {name} in checkpoint")
         layer, key = m.group(1), m.group(2)
-        if key.startswith("self_attn.q_proj"):
-            t = hf_to_interleaved(t, n_head)
-        elif key.startswith("self_attn.k_proj"):
-            t = hf_to_interleaved(t, n_kv_heads)
+        try:
+            if key.startswith("self_attn.q_proj"):
+                t = hf_to_interleaved(t, n_head)
+            elif key.startswith("self_attn.k_proj"):
+                t = hf_to_interleaved(t, n_kv_heads)
+        except (RuntimeError, IndexError) as e:  # rows that do not split into the config's heads
+            raise ConversionError(
+                f"tensor {name} has shape {list(t.shape)}, which does not split into the "
+                f"{n_head if 'q_proj' in key else n_kv_heads} heads config.json gives"
+            ) from e
         if key in _LAYER_KEYS:
             out[f"layers.{layer}.{_LAYER_KEYS[key]}"] = t
         elif key in _PART_OF:
@@ -127,7 +135,11 @@ def convert_state_dict(tensor_iter, config: dict, dtype: torch.dtype | None = No
             parts = pending.setdefault((layer, fused), {})
             parts[key] = t
             if len(parts) == len(_FUSED[fused]):  # all parts seen (maybe across shards)
-                out[f"layers.{layer}.{fused}"] = torch.cat([parts[p] for p in _FUSED[fused]])
+                try:
+                    out[f"layers.{layer}.{fused}"] = torch.cat([parts[p] for p in _FUSED[fused]])
+                except RuntimeError as e:  # parts whose columns (or ranks) differ
+                    shapes = ", ".join(f"{p} {list(parts[p].shape)}" for p in _FUSED[fused])
+                    raise ConversionError(f"layer {layer}: cannot stack {shapes}") from e
                 del pending[(layer, fused)]
         else:
             raise ConversionError(f"unexpected tensor {name} in checkpoint")
@@ -189,6 +201,9 @@ def main(checkpoint_dir: Path, output_dir: Path | None, dtype: str | None):
         sys.exit(f"error: {e}")
     except KeyError as e:
         sys.exit(f"error: config.json in {checkpoint_dir} lacks field {e}")
+    except KeyboardInterrupt:  # Ctrl-C: save_atomic has already removed its temporary file
+        print("interrupted, no model.pth written", file=sys.stderr)
+        sys.exit(130)
     print(f"wrote {out}", file=sys.stderr)
 
 
