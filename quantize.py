@@ -563,9 +563,12 @@ def main(
             blocksize,
             act_order,
         )
+        save_atomic(state, output_path)
     except (QuantizeError, GPTQ.GPTQError, CheckpointError, ConfigError, UserError) as e:
         sys.exit(f"error: {e}")
-    save_atomic(state, output_path)
+    except KeyboardInterrupt:  # Ctrl-C: save_atomic has already removed its temporary file
+        log("interrupted, no output written")
+        sys.exit(130)
     size = output_path.stat().st_size / 1e6
     log(f"wrote {output_path} ({size:.1f} MB) in {time.perf_counter() - t0:.1f} s")
     peak = f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB RSS"  # kB on Linux
