@@ -254,16 +254,22 @@ def setup_for_device(model: Transformer, device, use_kernels: bool = True) -> Tr
 
 def weight_bytes(model: torch.nn.Module) -> int:
     # Bytes one decode step must read: every weight but the embedding table (a row lookup),
-    # counting a tied output head once. KV caches and rope tables are not weights.
+    # counting a tied output head once, and of MoE expert stacks the share a token uses (k of E).
+    # KV caches and rope tables are not weights.
     seen, total = set(), 0
     tied = getattr(model.config, "tie_embeddings", False)
+    share = {}  # id(tensor) -> fraction read per token
+    for m in model.modules():
+        if hasattr(m, "num_activated_experts"):
+            for t in [*m.w13.parameters(), *m.w13.buffers(), *m.w2.parameters(), *m.w2.buffers()]:
+                share[id(t)] = m.num_activated_experts / model.config.num_experts
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if id(t) in seen or "kv_cache" in name or name == "freqs_cis":
             continue
         seen.add(id(t))
         if name.startswith("tok_embeddings") and not tied:
             continue
-        total += t.numel() * t.element_size()
+        total += round(t.numel() * t.element_size() * share.get(id(t), 1.0))
     return total
 
 
@@ -412,6 +418,7 @@ def main(
     precision: str | None,
     max_seq_length: int | None,
     kernels: bool,
+    moe_parallel: str,
 ):
     try:
         check_sampling(temperature, top_k, top_p)
@@ -435,7 +442,8 @@ def main(
         # Under torchrun each rank loads on the CPU (mmap) and keeps its shard: a GPU never
         # holds the whole model.
         model = load_model(checkpoint_path, dev if world == 1 else "cpu", dtype, use_kernels=False)
-        model = setup_for_device(tp.apply_tp(model, rank, world, dev), dev, kernels)
+        model = tp.apply_tp(model, rank, world, dev, moe_parallel=moe_parallel)
+        model = setup_for_device(model, dev, kernels)
         log(f"loaded {checkpoint_path} in {time.perf_counter() - t0:.2f} s")
         run_main(**locals())
     except (UserError, CheckpointError, ConfigError, TokenizerError, tp.TPError) as e:
@@ -692,6 +700,13 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="use fastgen's Triton GEMV and attention kernels on CUDA",
+    )
+    p.add_argument(
+        "--moe_parallel",
+        choices=tp.MOE_PARALLEL,
+        default="tensor",
+        help="under torchrun, MoE models: split each expert's hidden units over the ranks "
+        "(tensor) or the experts themselves (expert)",
     )
     return p
 

@@ -20,6 +20,9 @@
 #   fp8   weight float8_e4m3fn [out, in], scales float32 [out]  w = weight * scale
 # int4-gptq stores exactly the int4 format; only the choice of q, scales and zeros differs.
 # Biases and every non-linear tensor (embeddings, norms) stay as they were.
+# Mixture-of-Experts stacks (moe.ExpertLinear, weight [E, out, in]) are quantized expert by expert
+# into the same formats with a leading expert dimension (int8 weight [E, out, in], scales [E, out];
+# int4 weight [E, out, in/2], scales and zeros [E, out, in/groupsize]); the router stays float.
 #
 # Loading (generate.load_model): prepare_model swaps nn.Linear for the modules here on the meta
 # device, load_state_dict(assign=True) fills them, and finalize_model repacks int4 for the
@@ -45,8 +48,10 @@ from generate import (
     load_model,
     log,
     pick_device,
+    read_config,
 )
 from model import ConfigError
+from moe import ExpertLinear
 
 MODES = ("int8", "int4", "int4-gptq", "fp8")
 GROUPSIZES = (32, 64, 128, 256)
@@ -72,7 +77,7 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def dequantize_int8(weight: Tensor, scales: Tensor) -> Tensor:
-    return weight.float() * scales.float()[:, None]  # [out, in] float32
+    return weight.float() * scales.float()[..., None]  # [..., out, in] float32
 
 
 def int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
@@ -124,11 +129,12 @@ def quantize_int4(w: Tensor, groupsize: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def dequantize_int4(weight: Tensor, scales: Tensor, zeros: Tensor, groupsize: int) -> Tensor:
-    # weight uint8 [out, in/2]; scales, zeros [out, in/groupsize] -> [out, in] float32
+    # weight uint8 [..., out, in/2]; scales, zeros [..., out, in/groupsize] -> [..., out, in]
+    # float32 (a leading expert dimension or none)
     q = unpack_int4(weight)
-    out, n = q.shape
-    q = q.reshape(out, n // groupsize, groupsize).float()
-    return ((q - zeros.float()[..., None]) * scales.float()[..., None]).reshape(out, n)
+    *lead, n = q.shape
+    q = q.reshape(*lead, n // groupsize, groupsize).float()
+    return ((q - zeros.float()[..., None]) * scales.float()[..., None]).reshape(*lead, n)
 
 
 def int4_linear(x: Tensor, weight: Tensor, scales: Tensor, zeros: Tensor, groupsize: int) -> Tensor:
@@ -180,7 +186,7 @@ def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def dequantize_fp8(weight: Tensor, scales: Tensor) -> Tensor:
-    return weight.float() * scales.float()[:, None]  # [out, in] float32
+    return weight.float() * scales.float()[..., None]  # [..., out, in] float32
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
@@ -275,26 +281,77 @@ class Fp8Linear(nn.Module):
         return dequantize_fp8(self.weight, self.scales)
 
 
+class Int8ExpertLinear(ExpertLinear):
+    # E int8 linears stacked: weight int8 [E, out, in], scales float32 [E, out]
+    def __init__(self, n_experts, in_features, out_features, dtype=None, device=None):
+        nn.Module.__init__(self)  # not ExpertLinear's: no float weight
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
+        shape = (n_experts, out_features, in_features)
+        self.register_buffer("weight", torch.empty(shape, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(n_experts, out_features, device=device))
+
+    def weights(self, idx) -> Tensor:
+        # Dequantizes only the experts idx names (an int or [M]) -> [out, in] or [M, out, in]
+        return dequantize_int8(self.weight[idx], self.scales[idx])
+
+
+class Int4ExpertLinear(ExpertLinear):
+    # E int4 linears stacked: weight uint8 [E, out, in/2], scales, zeros bfloat16
+    # [E, out, in/groupsize], each expert in Int4Linear's format
+    def __init__(self, n_experts, in_features, out_features, dtype=None, device=None, *, groupsize):
+        nn.Module.__init__(self)  # not ExpertLinear's: no float weight
+        self.n_experts, self.in_features, self.out_features = n_experts, in_features, out_features
+        self.groupsize = groupsize
+        shape = (n_experts, out_features, in_features // groupsize)
+        packed = (n_experts, out_features, in_features // 2)
+        self.register_buffer("weight", torch.empty(packed, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(shape, dtype=torch.bfloat16, device=device))
+        self.register_buffer("zeros", torch.empty(shape, dtype=torch.bfloat16, device=device))
+
+    def weights(self, idx) -> Tensor:
+        w, s, z = self.weight[idx], self.scales[idx], self.zeros[idx]
+        return dequantize_int4(w, s, z, self.groupsize)
+
+
+class Fp8ExpertLinear(Int8ExpertLinear):
+    # E float8_e4m3fn linears stacked: weight [E, out, in], scales float32 [E, out]
+    def __init__(self, n_experts, in_features, out_features, dtype=None, device=None):
+        super().__init__(n_experts, in_features, out_features, dtype, device)
+        self.weight = self.weight.to(torch.float8_e4m3fn)
+
+    def weights(self, idx) -> Tensor:
+        return dequantize_fp8(self.weight[idx], self.scales[idx])
+
+
 QUANTIZED_LINEARS = (Int8Linear, Int4Linear, Fp8Linear)
+QUANTIZED_EXPERTS = (Int8ExpertLinear, Int4ExpertLinear, Fp8ExpertLinear)
 
 
-def empty_quantized_linear(linear: nn.Linear, quant: dict, device=None) -> nn.Module:
-    # An uninitialised quantized module of the linear's shape (on `device`, default its own).
+def empty_quantized_linear(linear: nn.Module, quant: dict, device=None) -> nn.Module:
+    # An uninitialised quantized module of the linear's (or expert stack's) shape, on `device`
+    # (default its own).
     device = linear.weight.device if device is None else device
-    args = (linear.in_features, linear.out_features, linear.bias is not None)
+    experts = isinstance(linear, ExpertLinear)
+    if experts:
+        args = (linear.n_experts, linear.in_features, linear.out_features)
+        int8, int4, fp8 = QUANTIZED_EXPERTS
+    else:
+        args = (linear.in_features, linear.out_features, linear.bias is not None)
+        int8, int4, fp8 = QUANTIZED_LINEARS
     kwargs = dict(dtype=linear.weight.dtype, device=device)
     mode = quant["mode"]
     if mode == "int8":
-        return Int8Linear(*args, **kwargs)
+        return int8(*args, **kwargs)
     if mode in ("int4", "int4-gptq"):
-        return Int4Linear(*args, **kwargs, groupsize=quant["groupsize"])
+        return int4(*args, **kwargs, groupsize=quant["groupsize"])
     if mode == "fp8":
-        return Fp8Linear(*args, **kwargs)
+        return fp8(*args, **kwargs)
     raise CheckpointError(f"unknown quantization mode {mode!r} (known: {', '.join(MODES)})")
 
 
-def quantize_linear(linear: nn.Linear, mode: str, groupsize: int | None = None) -> nn.Module:
-    # A float nn.Linear -> its quantized module (round to nearest), on the linear's device.
+def quantize_linear(linear: nn.Module, mode: str, groupsize: int | None = None) -> nn.Module:
+    # A float nn.Linear or moe.ExpertLinear -> its quantized module (round to nearest), on the
+    # linear's device.
     module = empty_quantized_linear(linear, {"mode": mode, "groupsize": groupsize})
     for param, t in quantize_weight(linear.weight.detach(), mode, groupsize).items():
         setattr(module, param, t)
@@ -305,6 +362,9 @@ def quantize_linear(linear: nn.Linear, mode: str, groupsize: int | None = None) 
 
 def quantize_weight(w: Tensor, mode: str, groupsize: int | None = None) -> dict[str, Tensor]:
     # One linear's float weight [out, in] -> the tensors its quantized module stores.
+    if w.dim() == 3:  # an expert stack [E, out, in]: each expert as a linear of its own
+        per_expert = [quantize_weight(w_e, mode, groupsize) for w_e in w]
+        return {name: torch.stack([q[name] for q in per_expert]) for name in per_expert[0]}
     if mode == "int8":
         weight, scales = quantize_int8(w)
         return {"weight": weight, "scales": scales}
@@ -323,11 +383,14 @@ def quantize_weight(w: Tensor, mode: str, groupsize: int | None = None) -> dict[
 
 
 def linear_names(model: nn.Module, skip_output: bool) -> list[str]:
-    # The linears a quantized checkpoint replaces, in model order.
+    # The linears (and MoE expert stacks) a quantized checkpoint replaces, in model order. An MoE
+    # router (feed_forward.gate) stays float: it is tiny, and its choices should not move.
     return [
         name
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and not (skip_output and name == "output")
+        if (isinstance(module, nn.Linear) or type(module) is ExpertLinear)
+        and not (skip_output and name == "output")
+        and not name.endswith("feed_forward.gate")
     ]
 
 
@@ -456,6 +519,8 @@ def quantize_checkpoint(
         raise QuantizeError(f"--groupsize must be one of {GROUPSIZES}, got {groupsize}")
     if mode == "int4-gptq" and calibration is None:
         raise QuantizeError("int4-gptq needs calibration token ids")
+    if mode == "int4-gptq" and read_config(checkpoint_path).num_experts:
+        raise QuantizeError("int4-gptq does not cover MoE experts yet: use --mode int4")
     state = load_checkpoint(checkpoint_path)
     if QUANT_KEY in state:
         raise QuantizeError(

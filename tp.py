@@ -15,6 +15,10 @@
 #   w13     column-parallel: the same slice of the gate half and of the up half
 #   output  split over the vocabulary, the logits all-gathered (every rank gets all of them)
 #   embeddings and norms are replicated; each rank's KV cache holds only its kv heads.
+# MoE layers (moe.py; generate.py --moe_parallel): the router is replicated, and either
+#   tensor  every expert's w13 column-parallel and w2 row-parallel, as the dense MLP, or
+#   expert  each rank holds E/N whole experts (tokens routed elsewhere count as absent),
+# and in both the layer's output is all-reduced once (ShardedMOEFeedForward).
 # Quantized linears (quantize.py) are sharded by slicing their stored tensors; int4 groups run
 # along in_features, so a row-parallel shard must start and end on a group boundary.
 # Every rank runs the same sampling on the same logits with the same seed (sync_seed), so all
@@ -32,6 +36,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch import Tensor
 
+from moe import MOEFeedForward
+
 # A dead or stuck peer turns into an error after this long instead of a hang (NCCL's watchdog
 # and gloo's collectives both honour it). Long enough for a slow rank to finish compiling.
 TIMEOUT = timedelta(minutes=5)
@@ -39,6 +45,7 @@ SHUTDOWN_GRACE_S = 10  # how long exiting waits for the process group to close
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo's RuntimeErrors
 # torch 2.13 renamed all_gather_tensor (deprecated there); 2.11 has only the old name.
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+MOE_PARALLEL = ("tensor", "expert")
 
 
 class TPError(ValueError):
@@ -154,18 +161,23 @@ def _exit_on_exception(exc_type, exc, tb):
 # ---------------------------------------------------------------------------------------------
 
 
-def split_problem(model: nn.Module, world: int) -> str | None:
+def split_problem(model: nn.Module, world: int, moe_parallel: str = "tensor") -> str | None:
     # Why `model` cannot be split over `world` ranks, or None when it can.
     attn, ff = model.layers[0].attention, model.layers[0].feed_forward
     n_head, n_kv, hd = attn.n_head, attn.n_kv_heads, attn.head_dim
     intermediate = ff.w2.in_features
+    by_expert = isinstance(ff, MOEFeedForward) and moe_parallel == "expert"
     if n_head % world:
         return f"{n_head} attention heads do not split over {world} ranks"
     if n_kv % world and world % n_kv:
         return f"{n_kv} kv heads neither split over {world} ranks nor replicate evenly onto them"
-    if intermediate % world:
+    if by_expert and ff.w13.n_experts % world:
+        return f"{ff.w13.n_experts} experts do not split over {world} ranks"
+    if not by_expert and intermediate % world:
         return f"the MLP's {intermediate} hidden units do not split over {world} ranks"
-    row_parallel = [("wo", attn.wo, n_head // world * hd), ("w2", ff.w2, intermediate // world)]
+    row_parallel = [("wo", attn.wo, n_head // world * hd)]
+    if not by_expert:
+        row_parallel.append(("w2", ff.w2, intermediate // world))
     for name, linear, width in row_parallel:
         groupsize = getattr(linear, "groupsize", 0)
         if groupsize and width % groupsize:
@@ -176,9 +188,9 @@ def split_problem(model: nn.Module, world: int) -> str | None:
     return None
 
 
-def valid_world_sizes(model: nn.Module) -> list[int]:
+def valid_world_sizes(model: nn.Module, moe_parallel: str = "tensor") -> list[int]:
     n_head = model.layers[0].attention.n_head
-    return [w for w in range(1, n_head + 1) if split_problem(model, w) is None]
+    return [w for w in range(1, n_head + 1) if split_problem(model, w, moe_parallel) is None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,11 +218,13 @@ def _replace(module: nn.Module, name: str, t: Tensor):
 
 def shard_columns(linear: nn.Module, rows: list[tuple[int, int]], pad_to: int | None = None):
     # Column-parallel: keep the output features in `rows`. Every stored tensor (weight, scales,
-    # zeros, bias) has out_features first, int4's packed weight and group scales included.
+    # zeros, bias) has out_features first, int4's packed weight and group scales included; an
+    # MoE expert stack (moe.ExpertLinear and its quantized forms) has the expert dimension first.
+    dim = linear.weight.dim() - 2  # 0, or 1 behind the experts
     for name in ("weight", "scales", "zeros", "bias"):
         if getattr(linear, name, None) is not None:
-            _replace(linear, name, take(getattr(linear, name), 0, rows, pad_to))
-    linear.out_features = linear.weight.shape[0]
+            _replace(linear, name, take(getattr(linear, name), dim, rows, pad_to))
+    linear.out_features = linear.weight.shape[dim]
 
 
 def shard_rows(linear: nn.Module, start: int, end: int):
@@ -219,14 +233,26 @@ def shard_rows(linear: nn.Module, start: int, end: int):
     groupsize = getattr(linear, "groupsize", 0)
     if groupsize:
         assert start % groupsize == 0 and end % groupsize == 0, (start, end, groupsize)
-        _replace(linear, "weight", take(linear.weight, 1, [(start // 2, end // 2)]))
+        _replace(linear, "weight", take(linear.weight, -1, [(start // 2, end // 2)]))
         groups = [(start // groupsize, end // groupsize)]
         for name in ("scales", "zeros"):
-            _replace(linear, name, take(getattr(linear, name), 1, groups))
+            _replace(linear, name, take(getattr(linear, name), -1, groups))
     else:
         # float, int8 and fp8: per-output-channel scales stay whole.
-        _replace(linear, "weight", take(linear.weight, 1, [(start, end)]))
+        _replace(linear, "weight", take(linear.weight, -1, [(start, end)]))
     linear.in_features = end - start
+
+
+def shard_experts(ff: MOEFeedForward, rank: int, world: int):
+    # Expert parallelism: keep experts [e0, e1) of every stored tensor of w13 and w2.
+    n_experts = ff.w13.n_experts
+    e0, e1 = rank * n_experts // world, (rank + 1) * n_experts // world
+    for linear in (ff.w13, ff.w2):
+        for name in ("weight", "scales", "zeros"):
+            if getattr(linear, name, None) is not None:
+                _replace(linear, name, take(getattr(linear, name), 0, [(e0, e1)]))
+        linear.n_experts = e1 - e0
+    ff.expert_offset = e0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,6 +275,16 @@ class AllReduce(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y = funcol.all_reduce(self.linear(x), "sum", self.group)  # [..., out_features]
         return y if self.bias is None else y + self.bias
+
+
+class ShardedMOEFeedForward(MOEFeedForward):
+    # An MoE layer whose ranks each hold a part (hidden units of every expert, or whole experts):
+    # the partial outputs summed over the ranks. apply_tp swaps the class of a loaded
+    # MOEFeedForward (its tensors stay where they are) and sets `group`.
+    group = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return funcol.all_reduce(super().forward(x), "sum", self.group)  # [B, T, dim]
 
 
 class GatherVocab(nn.Module):
@@ -276,33 +312,44 @@ def apply_tp(
     rank: int | None = None,
     world: int | None = None,
     device: torch.device | str | None = None,
+    moe_parallel: str = "tensor",
 ) -> nn.Module:
     # Shards a loaded model (float or quantized, kernels not yet swapped in) in place for this
     # rank; rank and world default to the process group's, and world 1 changes nothing. With
     # `device`, the shard then moves there: load on the CPU (mmap) and each GPU only ever holds
-    # its shard. Returns the model.
+    # its shard. moe_parallel: how MoE layers split (MOE_PARALLEL). Returns the model.
+    if moe_parallel not in MOE_PARALLEL:
+        raise TPError(f"moe_parallel must be tensor or expert, got {moe_parallel!r}")
     if rank is None or world is None:
         rank, world = rank_and_world()
     if world == 1:
         return model
-    if any(type(m).__name__ in ("GemvLinear", "AllReduce") for m in model.modules()):
+    sharded = ("GemvLinear", "AllReduce", "ShardedMOEFeedForward")
+    if any(type(m).__name__ in sharded for m in model.modules()):
         raise TPError(
             "apply_tp needs the loaded model as it is: load with use_kernels=False, shard, "
             "then call setup_for_device; and shard once"
         )
-    problem = split_problem(model, world)
+    problem = split_problem(model, world, moe_parallel)
     if problem is not None:
-        sizes = ", ".join(str(w) for w in valid_world_sizes(model))
+        sizes = ", ".join(str(w) for w in valid_world_sizes(model, moe_parallel))
         raise TPError(f"cannot split the model over {world} ranks: {problem} (valid: {sizes})")
     group = dist.group.WORLD  # None without a process group: shards that cannot run yet
     for layer in model.layers:
         shard_attention(layer.attention, rank, world, group)
         ff = layer.feed_forward
-        inter = ff.w2.in_features
-        i0, i1 = rank * inter // world, (rank + 1) * inter // world
-        shard_columns(ff.w13, [(i0, i1), (inter + i0, inter + i1)])  # [gate | up] halves
-        shard_rows(ff.w2, i0, i1)
-        ff.w2 = AllReduce(ff.w2, group)
+        moe = isinstance(ff, MOEFeedForward)
+        if moe and moe_parallel == "expert":
+            shard_experts(ff, rank, world)
+        else:  # the same cut for a dense MLP and for each expert
+            inter = ff.w2.in_features
+            i0, i1 = rank * inter // world, (rank + 1) * inter // world
+            shard_columns(ff.w13, [(i0, i1), (inter + i0, inter + i1)])  # [gate | up] halves
+            shard_rows(ff.w2, i0, i1)
+        if moe:
+            ff.__class__, ff.group = ShardedMOEFeedForward, group
+        else:
+            ff.w2 = AllReduce(ff.w2, group)
     # Over the vocabulary; a tied head gets its own shard, the embedding stays whole.
     vocab = model.output.out_features
     per_rank = -(-vocab // world)
