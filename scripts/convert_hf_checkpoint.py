@@ -1,6 +1,9 @@
 # Converts a Hugging Face Llama-family checkpoint (safetensors, sharded or not, or
 # pytorch_model*.bin) into fastgen's layout: DIR/model.pth plus config.json and the tokenizer
-# files beside it.
+# files beside it. Mixtral (MoE) too: HF's per-expert tensors (block_sparse_moe.experts.E.w1/w2/w3)
+# or fused ones (mlp.experts.gate_up_proj/down_proj) are stacked into feed_forward.w13/w2
+# [E, out, in]; and Mistral's original release (params.json plus consolidated.*.pth or
+# consolidated.safetensors, whole tensors per file, q/k already in our rotary layout).
 #
 #   python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/meta-llama/Llama-3.1-8B
 #
@@ -34,7 +37,13 @@ _LAYER_KEYS = {
     "mlp.down_proj.weight": "feed_forward.w2.weight",
     "input_layernorm.weight": "attention_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
+    # Mixtral: the router, and the expert stacks transformers 5 keeps fused (gate | up rows)
+    "block_sparse_moe.gate.weight": "feed_forward.gate.weight",
+    "mlp.gate.weight": "feed_forward.gate.weight",
+    "mlp.experts.gate_up_proj": "feed_forward.w13.weight",
+    "mlp.experts.down_proj": "feed_forward.w2.weight",
 }
+_EXPERT_RE = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight")
 _GLOBAL_KEYS = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.weight",
@@ -56,6 +65,22 @@ _FUSED = {
 }
 _PART_OF = {part: fused for fused, parts in _FUSED.items() for part in parts}
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Meta's and Mistral's original (consolidated) names -> the HF names above.
+_ORIGINAL_GLOBAL = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight":
+                    "model.norm.weight", "output.weight": "lm_head.weight"}  # fmt: skip
+_ORIGINAL_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.gate.weight": "block_sparse_moe.gate.weight",
+}
+_ORIGINAL_RE = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 class ConversionError(Exception):
@@ -102,10 +127,13 @@ def iter_tensors(path: Path):
         yield from state.items()
 
 
-def convert_state_dict(tensor_iter, config: dict, dtype: torch.dtype | None = None) -> dict:
+def convert_state_dict(
+    tensor_iter, config: dict, dtype: torch.dtype | None = None, rotary_interleaved: bool = False
+) -> dict:
+    # rotary_interleaved: q/k rows are in our layout already (original files), not HF's.
     n_head = config["num_attention_heads"]
     n_kv_heads = config.get("num_key_value_heads") or n_head
-    out, pending = {}, {}
+    out, pending, experts_seen = {}, {}, {}
     for name, t in tensor_iter:
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
@@ -118,8 +146,14 @@ def convert_state_dict(tensor_iter, config: dict, dtype: torch.dtype | None = No
         if m is None:  # e.g. an lm_head bias: a layout model.py does not have
             raise ConversionError(f"unexpected tensor {name} in checkpoint")
         layer, key = m.group(1), m.group(2)
+        expert = _EXPERT_RE.fullmatch(key)
+        if expert is not None:
+            put_expert(out, experts_seen, layer, int(expert.group(1)), expert.group(2), t, config)
+            continue
         try:
-            if key.startswith("self_attn.q_proj"):
+            if rotary_interleaved:
+                pass
+            elif key.startswith("self_attn.q_proj"):
                 t = hf_to_interleaved(t, n_head)
             elif key.startswith("self_attn.k_proj"):
                 t = hf_to_interleaved(t, n_kv_heads)
@@ -147,9 +181,95 @@ def convert_state_dict(tensor_iter, config: dict, dtype: torch.dtype | None = No
         (layer, fused), parts = next(iter(pending.items()))
         missing = sorted(set(_FUSED[fused]) - set(parts))
         raise ConversionError(f"missing tensor model.layers.{layer}.{missing[0]}")
+    n_experts = config.get("num_local_experts", 0)
+    for name, seen in experts_seen.items():
+        parts = ("w2",) if name.endswith("w2.weight") else ("w1", "w3")
+        for e, part in ((e, part) for e in range(n_experts) for part in parts):
+            if (e, part) not in seen:
+                layer = name.split(".")[1]
+                missing = f"block_sparse_moe.experts.{e}.{part}.weight"
+                raise ConversionError(f"missing tensor model.layers.{layer}.{missing}")
     if config.get("tie_word_embeddings") and "output.weight" in out:
         del out["output.weight"]  # tied: the model reuses tok_embeddings.weight
     return out
+
+
+def put_expert(out: dict, seen: dict, layer: str, e: int, part: str, t: torch.Tensor, config):
+    # One expert's w1 or w3 [inter, dim] or w2 [dim, inter] into its slice of the layer's stack,
+    # feed_forward.w13.weight [E, 2 * inter, dim] (gate | up rows) or w2.weight [E, dim, inter],
+    # made when the layer's first expert tensor arrives: the experts are never held twice.
+    n_experts, inter = config.get("num_local_experts", 0), config["intermediate_size"]
+    name = f"layers.{layer}.feed_forward.{'w2' if part == 'w2' else 'w13'}.weight"
+    if not 0 <= e < n_experts:
+        raise ConversionError(f"layer {layer}: expert {e}, but config.json has {n_experts}")
+    if name not in out:
+        shape = (n_experts, *t.shape) if part == "w2" else (n_experts, 2 * inter, t.shape[1])
+        out[name] = torch.empty(shape, dtype=t.dtype)
+    rows = {"w1": slice(0, inter), "w3": slice(inter, 2 * inter), "w2": slice(None)}[part]
+    try:
+        out[name][e, rows] = t
+    except RuntimeError as err:
+        want = list(out[name][e, rows].shape)
+        raise ConversionError(
+            f"layer {layer} expert {e} {part}: shape {list(t.shape)}, expected {want}"
+        ) from err
+    seen.setdefault(name, set()).add((e, part))
+
+
+def original_to_hf_names(tensor_iter):
+    # (name, tensor) of Meta's / Mistral's consolidated files -> the same under HF's names. A
+    # name met twice means model-parallel shards (Meta's consolidated.0N.pth), which would have
+    # to be concatenated: not supported.
+    seen = set()
+    for name, t in tensor_iter:
+        if name in seen:
+            raise ConversionError(
+                f"tensor {name} is in two consolidated files: model-parallel shards are not "
+                "supported (convert the Hugging Face release instead)"
+            )
+        seen.add(name)
+        m = _ORIGINAL_RE.fullmatch(name)
+        if name in _ORIGINAL_GLOBAL:
+            yield _ORIGINAL_GLOBAL[name], t
+        elif m is not None and m.group(2) in _ORIGINAL_LAYER:
+            yield f"model.layers.{m.group(1)}.{_ORIGINAL_LAYER[m.group(2)]}", t
+        elif m is not None and m.group(2).startswith("feed_forward.experts."):  # .E.w1.weight
+            expert = m.group(2).removeprefix("feed_forward.")
+            yield f"model.layers.{m.group(1)}.block_sparse_moe.{expert}", t
+        elif not name.startswith("rope.freqs"):  # a buffer Meta saved; recomputed by model.py
+            raise ConversionError(f"unexpected tensor {name} in checkpoint")
+
+
+def config_from_params(params: dict) -> dict:
+    # Mistral's (or Meta's) params.json -> a Hugging Face style config.json. Its sliding window,
+    # if any, is left out: Mixtral's is unset.
+    if "hidden_dim" not in params:
+        raise ConversionError(
+            "params.json has no hidden_dim (Meta's Llama releases): convert the Hugging Face "
+            "release instead"
+        )
+    moe = params.get("moe") or {}
+    n_heads = params["n_heads"]
+    config = {
+        "architectures": ["MixtralForCausalLM" if moe else "LlamaForCausalLM"],
+        "model_type": "mixtral" if moe else "llama",
+        "vocab_size": params["vocab_size"],
+        "hidden_size": params["dim"],
+        "intermediate_size": params["hidden_dim"],
+        "num_hidden_layers": params["n_layers"],
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": params.get("n_kv_heads") or n_heads,
+        "head_dim": params.get("head_dim") or params["dim"] // n_heads,
+        "rms_norm_eps": params.get("norm_eps", 1e-5),
+        "rope_theta": params.get("rope_theta", 10000.0),
+        # params.json does not say; 32768 is Mixtral 8x7B's context
+        "max_position_embeddings": params.get("max_seq_len", 32768),
+        "tie_word_embeddings": False,
+    }
+    if moe:
+        config["num_local_experts"] = moe["num_experts"]
+        config["num_experts_per_tok"] = moe["num_experts_per_tok"]
+    return config
 
 
 def save_atomic(obj, path: Path):
@@ -166,10 +286,21 @@ def convert_hf_checkpoint(
     checkpoint_dir: Path, output_dir: Path | None = None, dtype: torch.dtype | None = None
 ) -> Path:
     config_path = checkpoint_dir / "config.json"
-    if not config_path.is_file():
-        raise ConversionError(f"no config.json in {checkpoint_dir}")
-    config = json.loads(config_path.read_text())
-    files = list_weight_files(checkpoint_dir)
+    original = (
+        sorted(checkpoint_dir.glob("consolidated*.safetensors"))
+        or sorted(checkpoint_dir.glob("consolidated*.pt"))
+        or sorted(checkpoint_dir.glob("consolidated*.pth"))
+    )
+    if not config_path.is_file() and original and (checkpoint_dir / "params.json").is_file():
+        config = config_from_params(json.loads((checkpoint_dir / "params.json").read_text()))
+        files = original
+    elif not config_path.is_file():
+        raise ConversionError(
+            f"no config.json (nor params.json and consolidated files) in {checkpoint_dir}"
+        )
+    else:
+        config = json.loads(config_path.read_text())
+        files, original = list_weight_files(checkpoint_dir), []
     output_dir = output_dir or checkpoint_dir
     output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -177,7 +308,11 @@ def convert_hf_checkpoint(
         for path in tqdm(files, desc="converting shards", unit="shard", file=sys.stderr):
             yield from iter_tensors(path)
 
-    state = convert_state_dict(tensors(), config, dtype)
+    if original:
+        state = convert_state_dict(original_to_hf_names(tensors()), config, dtype, True)
+        (output_dir / "config.json").write_text(json.dumps(config, indent=2))
+    else:
+        state = convert_state_dict(tensors(), config, dtype)
     save_atomic(state, output_dir / "model.pth")
     if output_dir.resolve() != checkpoint_dir.resolve():
         for name in SIDE_FILES:
@@ -215,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint_dir",
         type=Path,
         required=True,
-        help="HF checkpoint folder (config.json and weights)",
+        help="HF checkpoint folder (config.json and weights), or Mistral's original one "
+        "(params.json and consolidated files)",
     )
     p.add_argument(
         "--output_dir",
