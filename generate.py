@@ -222,6 +222,7 @@ def load_model(
     extra = sorted(set(state) - set(expected))
     if extra:
         raise CheckpointError(f"{checkpoint_path}: unexpected tensor {extra[0]}")
+    check_memory(device, model_bytes(model))  # before the first byte goes to the device
     # One tensor at a time: cast floats to the model's dtype, move to the device, assign.
     converted = {}
     for name, want in expected.items():
@@ -274,6 +275,82 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# Memory: estimate before allocating, and say what to change when it does not fit
+# ---------------------------------------------------------------------------------------------
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    # Bytes the weights take on their device (the model may still be on the meta device): every
+    # parameter and buffer but the KV caches and the rope table, a tied head counted once.
+    tied = getattr(model.config, "tie_embeddings", False)
+    seen, total = set(), 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if id(t) in seen or "kv_cache" in name or name == "freqs_cis":
+            continue
+        if tied and name == "output.weight":
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def kv_cache_bytes(model: Transformer, batch_size: int, max_seq_len: int) -> int:
+    # Keys and values [B, n_kv_heads, S, head_dim] in every layer, in the model's float dtype.
+    item = model.tok_embeddings.weight.element_size()
+    per_slot = sum(2 * b.attention.n_kv_heads * b.attention.head_dim for b in model.layers)
+    return batch_size * max_seq_len * per_slot * item
+
+
+def memory_message(device, weights: int, kv_cache: int, free: int, batch_size=1, seq_len=0) -> str:
+    def gb(n):
+        return f"{n / 1e9:.2f} GB"
+
+    parts = f"weights {gb(weights)}"
+    if kv_cache:
+        parts += f" + KV cache {gb(kv_cache)} for {batch_size} x {seq_len} tokens"
+    return (
+        f"not enough memory on {device}: {gb(weights + kv_cache)} needed ({parts}), "
+        f"{gb(free)} free; use a shorter --max_seq_length or a smaller --batch_size, or a "
+        "quantized checkpoint (quantize.py --mode int8 or int4 halves or quarters the weights)"
+    )
+
+
+def check_memory(
+    device, weights: int, kv_cache: int = 0, *, loaded=False, free: int | None = None, **shape
+):
+    # Raises UserError when weights + kv_cache exceed the free device memory. loaded: the weights
+    # are already on the device, so their bytes count as free. free: a value to use instead of
+    # asking CUDA (tests); without it only CUDA devices are checked.
+    device = torch.device(device)
+    if free is None:
+        if device.type != "cuda":
+            return
+        free = torch.cuda.mem_get_info(device)[0]
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free += weights if loaded else 0
+    if weights + kv_cache > free:
+        raise UserError(memory_message(device, weights, kv_cache, free, **shape))
+
+
+def setup_caches(model: Transformer, batch_size: int, max_seq_len: int):
+    # The KV cache is the allocation that grows with flags: check it against what is left.
+    device = model.tok_embeddings.weight.device
+    kv = kv_cache_bytes(model, batch_size, max_seq_len)
+    weights = model_bytes(model)
+    check_memory(device, weights, kv, loaded=True, batch_size=batch_size, seq_len=max_seq_len)
+    model.setup_caches(batch_size, max_seq_len)
+
+
+def out_of_memory_message(e: Exception) -> str:
+    # torch's own first sentence says how much it tried to allocate and how much is free.
+    first = (str(e).strip().splitlines() or ["CUDA out of memory"])[0]
+    return (
+        f"out of GPU memory: {first} Use a shorter --max_seq_length or a smaller --batch_size, "
+        "or a quantized checkpoint (quantize.py --mode int8 or int4)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
 
@@ -293,12 +370,29 @@ def pick_device(device: str | None) -> torch.device:
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float):
-    if temperature < 0:
+    if not temperature >= 0:  # also refuses nan
         raise UserError(f"--temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
         raise UserError(f"--top_k must be >= 1, got {top_k}")
     if not 0 < top_p <= 1:
         raise UserError(f"--top_p must be in (0, 1], got {top_p}")
+
+
+def check_counts(**flags):
+    # Counts that must be >= 1 when given (None: not given).
+    for flag, value in flags.items():
+        if value is not None and value < 1:
+            raise UserError(f"--{flag} must be >= 1, got {value}")
+
+
+def is_synthetic(prompt: str) -> bool:
+    # "300" asks for a random 300-token prompt; "²" or "٣" are text (isdigit alone says digit).
+    return prompt.isascii() and prompt.isdigit()
+
+
+def too_long(n_tokens: int, limit: int, max_seq_length: int | None) -> UserError:
+    where = "--max_seq_length" if max_seq_length else "the model's context"
+    return UserError(f"the prompt has {n_tokens} tokens; {where} is {limit}")
 
 
 def encode_prompts(tok, prompt, prompts_file, chat, system, batch_size, vocab_size, seed):
@@ -314,12 +408,17 @@ def encode_prompts(tok, prompt, prompts_file, chat, system, batch_size, vocab_si
     if prompts_file is not None:
         if not prompts_file.is_file():
             raise UserError(f"prompts file {prompts_file} does not exist")
-        lines = [line for line in prompts_file.read_text().splitlines() if line.strip()]
+        try:
+            text = prompts_file.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            why = "it is not UTF-8 text" if isinstance(e, UnicodeDecodeError) else e.strerror
+            raise UserError(f"cannot read prompts file {prompts_file}: {why}") from e
+        lines = [line for line in text.splitlines() if line.strip()]
         if not lines:
             raise UserError(f"prompts file {prompts_file} has no prompts")
         return [encode(line) for line in lines]
-    if prompt.isdigit():
-        # A synthetic prompt of that many tokens, for benchmarks.
+    if is_synthetic(prompt):
+        # A synthetic prompt of that many tokens, for benchmarks (run_main checked its length).
         g = torch.Generator().manual_seed(seed if seed is not None else 0)
         ids = torch.randint(0, min(vocab_size, 1024), (int(prompt),), generator=g).tolist()
     else:
@@ -341,6 +440,10 @@ def cache_length(needed: int, block_size: int) -> int:
 
 
 def run_interactive(model, tok, steps, sampling, max_new_tokens, system, max_seq_len):
+    # A full context drops the oldest exchanges (the system message stays) until the new message
+    # plus max_new_tokens fit; a message that does not fit even alone is refused, and the chat
+    # goes on. Ctrl-C or end of input at the prompt ends the chat; Ctrl-C in a reply exits 130.
+    keep = 1 if system else 0  # messages[:keep] are never dropped
     messages = [{"role": "system", "content": system}] if system else []
     in_cache: list[int] = []  # tokens whose keys/values sit in the cache, in slot order
     while True:
@@ -349,14 +452,21 @@ def run_interactive(model, tok, steps, sampling, max_new_tokens, system, max_seq
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return
-        messages.append({"role": "user", "content": user})
-        ids = tok.encode_chat(messages)
-        while len(ids) + max_new_tokens > max_seq_len and len(messages) > 1 + bool(system):
-            del messages[bool(system) : bool(system) + 2]  # drop the oldest exchange
-            ids = tok.encode_chat(messages)
-        if len(ids) + 1 > max_seq_len:
-            log(f"the conversation ({len(ids)} tokens) no longer fits the context ({max_seq_len})")
-            return
+        trial = messages + [{"role": "user", "content": user}]
+        ids = tok.encode_chat(trial)
+        while len(ids) + max_new_tokens > max_seq_len and len(trial) > keep + 1:
+            del trial[keep : keep + 2]  # the oldest exchange: a user message and its reply
+            ids = tok.encode_chat(trial)
+        if len(ids) >= max_seq_len:
+            log(
+                f"context full: this message takes {len(ids)} tokens with the chat template, "
+                f"the context holds {max_seq_len}; it was not sent"
+            )
+            continue
+        if len(trial) < len(messages) + 1:
+            dropped = len(messages) + 1 - len(trial)
+            log(f"context full: dropped the oldest {dropped} messages ({len(ids)} tokens remain)")
+        messages = trial
         # Reuse the cache for the longest prefix it already holds.
         common = 0
         for a, b in zip(ids, in_cache):
@@ -385,8 +495,9 @@ def run_interactive(model, tok, steps, sampling, max_new_tokens, system, max_seq
                 **steps,
             )[0]
         except KeyboardInterrupt:
-            print(file=sys.stderr)
-            return
+            print(stream.flush(), flush=True)
+            log("interrupted")
+            sys.exit(130)
         print(stream.flush(), flush=True)
         in_cache = ids + new[:-1]  # the last token was sampled but never fed
         reply = [t for t in new if t not in tok.stop_ids]
@@ -422,6 +533,16 @@ def main(
 ):
     try:
         check_sampling(temperature, top_k, top_p)
+        check_counts(
+            num_samples=num_samples,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            max_seq_length=max_seq_length,
+        )
+        if seed is not None and not 0 <= seed < 2**63:
+            raise UserError(f"--seed must be in [0, 2**63), got {seed}")
+        if profile is not None and not profile.parent.is_dir():
+            raise UserError(f"--profile: the folder {profile.parent} does not exist")
         dev = pick_device(device)
         rank, world = tp.maybe_init_distributed(dev)  # torchrun: one rank per GPU
         if checkpoint_path is None:
@@ -448,6 +569,11 @@ def main(
         run_main(**locals())
     except (UserError, CheckpointError, ConfigError, TokenizerError, tp.TPError) as e:
         sys.exit(f"error: {e}")
+    except torch.cuda.OutOfMemoryError as e:  # past the estimates (activations, other processes)
+        sys.exit(f"error: {out_of_memory_message(e)}")
+    except KeyboardInterrupt:  # Ctrl-C while loading or compiling (generation handles its own)
+        log("interrupted")
+        sys.exit(130)
 
 
 def run_main(
@@ -485,11 +611,17 @@ def run_main(
         torch._inductor.config.coordinate_descent_tuning = True
         torch._inductor.config.triton.unique_kernel_names = True
         torch._inductor.config.fx_graph_cache = True
+    if max_seq_length is not None and max_seq_length > block_size:
+        raise UserError(
+            f"--max_seq_length {max_seq_length} exceeds the model's context of {block_size} tokens"
+        )
+    limit = max_seq_length or block_size  # prompt plus new tokens of one row
     if interactive:
-        max_seq_len = min(max_seq_length or block_size, block_size)
-        model.setup_caches(1, max_seq_len)
-        run_interactive(model, tok, steps, sampling, max_new_tokens, system, max_seq_len)
+        setup_caches(model, 1, limit)
+        run_interactive(model, tok, steps, sampling, max_new_tokens, system, limit)
         return
+    if prompts_file is None and is_synthetic(prompt) and int(prompt) >= limit:
+        raise too_long(int(prompt), limit, max_seq_length)  # before allocating its tokens
     rows = encode_prompts(
         tok,
         prompt,
@@ -501,18 +633,15 @@ def run_main(
         seed,
     )
     longest = max(len(r) for r in rows)
-    if longest >= block_size:
-        raise UserError(f"the prompt has {longest} tokens; the model's context is {block_size}")
-    if longest + max_new_tokens > block_size:
-        max_new_tokens = block_size - longest
-        log(f"max_new_tokens cut to {max_new_tokens} to fit the context of {block_size}")
+    if min(len(r) for r in rows) == 0:
+        raise UserError("the prompt is empty (it encodes to no tokens)")
+    if longest >= limit:
+        raise too_long(longest, limit, max_seq_length)
+    # At the limit generation stops, and says so after the text (below).
+    capped = longest + max_new_tokens > limit
+    max_new_tokens = min(max_new_tokens, limit - longest)
     max_seq_len = max_seq_length or cache_length(longest + max_new_tokens, block_size)
-    if longest + max_new_tokens > max_seq_len:
-        raise UserError(
-            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-            f"--max_seq_length {max_seq_len}"
-        )
-    model.setup_caches(len(rows), max_seq_len)
+    setup_caches(model, len(rows), max_seq_len)
     x, pad = left_pad(rows, dev)
     stop_ids = frozenset() if ignore_eos else frozenset(tok.stop_ids)
     speculative = None
@@ -539,8 +668,11 @@ def run_main(
     for i in range(-1 if compile else 0, num_samples):
         warmup = i < 0
         decoder = StreamDecoder(tok)
+        shown = [[] for _ in rows]  # each row's new tokens so far, for an interrupted run
 
-        def show(tokens, decoder=decoder, warmup=warmup):
+        def show(tokens, decoder=decoder, warmup=warmup, shown=shown):
+            for row, t in zip(shown, tokens):
+                row.append(t)
             if stream_one and not warmup and tokens[0] not in stop_ids:
                 print(decoder.push(tokens[0]), end="", flush=True)
 
@@ -551,23 +683,36 @@ def run_main(
         )
         sync(dev)
         t0 = time.perf_counter()
-        with prof:
-            if speculative is not None:
-                out = spec.generate(
-                    speculative, x, max_new_tokens, stop_ids=stop_ids, on_token=show, **sampling
-                )
+        try:
+            with prof:
+                if speculative is not None:
+                    out = spec.generate(
+                        speculative, x, max_new_tokens, stop_ids=stop_ids, on_token=show, **sampling
+                    )
+                else:
+                    out = generate(
+                        model,
+                        x,
+                        max_new_tokens,
+                        pad=pad,
+                        stop_ids=stop_ids,
+                        on_token=show,
+                        **sampling,
+                        **steps,
+                    )
+            sync(dev)
+        except KeyboardInterrupt:
+            # Ctrl-C: print what this sample has so far, then exit as an interrupted program does.
+            if warmup:
+                pass
+            elif stream_one:
+                print(decoder.flush(), flush=True)
             else:
-                out = generate(
-                    model,
-                    x,
-                    max_new_tokens,
-                    pad=pad,
-                    stop_ids=stop_ids,
-                    on_token=show,
-                    **sampling,
-                    **steps,
-                )
-        sync(dev)
+                for row in shown:
+                    end = next((j for j, t in enumerate(row) if t in stop_ids), len(row))
+                    print(tok.decode(row[:end]), flush=True)
+            log(f"interrupted after {len(shown[0])} new tokens")
+            sys.exit(130)
         dt = time.perf_counter() - t0
         if profile is not None and i == num_samples - 1:
             prof.export_chrome_trace(str(profile))
@@ -580,6 +725,8 @@ def run_main(
         else:
             for row in out:
                 print(tok.decode([t for t in row if t not in stop_ids]), flush=True)
+        if capped and any(len(r) == max_new_tokens and r[-1] not in stop_ids for r in out):
+            log(f"stopped at the context limit: {longest + max_new_tokens} of {limit} tokens")
         n = sum(len(r) for r in out)
         rates.append(n / dt)
         log(
