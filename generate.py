@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -186,9 +187,21 @@ def load_checkpoint(checkpoint_path: Path) -> dict:
     try:
         # mmap: tensors stay on disk until used; weights_only refuses code-running pickles.
         return torch.load(checkpoint_path, mmap=True, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        why = unpickling_refusal(e)
+        raise CheckpointError(f"refusing checkpoint {checkpoint_path}: {why}") from e
     except Exception as e:  # noqa: BLE001 - unreadable, truncated or hostile files all end here
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"cannot read checkpoint {checkpoint_path}: {first}") from e
+
+
+def unpickling_refusal(e: Exception) -> str:
+    # torch's message opens with advice to retry with weights_only=False; ours names what was
+    # refused instead (e.g. "unsupported GLOBAL posix.system").
+    lines = [line.strip() for line in str(e).splitlines()]
+    what = next((line for line in lines if "GLOBAL" in line or line.startswith("Unsupported")), "")
+    what = f" ({what.removeprefix('Trying to load ').rstrip('.')})" if what else ""
+    return f"it holds Python objects besides tensors, and loading them could run code{what}"
 
 
 def load_model(

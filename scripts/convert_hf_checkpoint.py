@@ -12,6 +12,7 @@
 import argparse
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -113,17 +114,27 @@ def iter_tensors(path: Path):
     if not path.is_file():
         raise ConversionError(f"missing weight shard {path}")
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:  # a truncated or corrupt header or tensor
+            raise ConversionError(f"cannot read {path}: {e}") from e
     else:
         # weights_only refuses pickles that would run code.
         try:
             state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except pickle.UnpicklingError as e:  # torch's message advises weights_only=False: no
+            raise ConversionError(
+                f"refusing {path}: it holds Python objects besides tensors, and loading them "
+                "could run code"
+            ) from e
         except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
             raise ConversionError(f"cannot read {path}: {str(e).splitlines()[0]}") from e
+        if not isinstance(state, dict):
+            raise ConversionError(f"{path} holds a {type(state).__name__}, not a state dict")
         yield from state.items()
 
 
@@ -299,7 +310,10 @@ def convert_hf_checkpoint(
             f"no config.json (nor params.json and consolidated files) in {checkpoint_dir}"
         )
     else:
-        config = json.loads(config_path.read_text())
+        try:
+            config = json.loads(config_path.read_text())
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise ConversionError(f"{config_path} is not valid JSON: {e}") from e
         files, original = list_weight_files(checkpoint_dir), []
     output_dir = output_dir or checkpoint_dir
     output_dir.mkdir(parents=True, exist_ok=True)
