@@ -16,6 +16,9 @@ SCRIPTS = [
     ["scripts/download.py"],
     ["-m", "scripts.bench"],
     ["-m", "scripts.perplexity"],
+    ["mixtral-moe/generate.py"],
+    ["mixtral-moe/quantize.py"],
+    ["mixtral-moe/scripts/convert_hf_checkpoint.py"],
 ]
 
 

@@ -55,9 +55,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(check: str, world: int, out_dir: Path, timeout: float = 240) -> list[dict]:
-    # Starts `world` ranks of this file's `check` with torchrun's environment variables, waits
-    # at most `timeout` seconds for all of them. -> per rank: returncode, stderr, seconds
+def launch(
+    check: str, world: int, out_dir: Path, timeout: float = 240, script: str = __file__
+) -> list[dict]:
+    # Starts `world` ranks of `script`'s `check` (`python script check out_dir`, this file by
+    # default) with torchrun's environment variables, waits at most `timeout` seconds for all of
+    # them. -> per rank: returncode, stderr, seconds
     port = free_port()
     out_dir.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -75,7 +78,7 @@ def launch(check: str, world: int, out_dir: Path, timeout: float = 240) -> list[
             PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "scripts"), str(TESTS)]),
         )
         err = open(out_dir / f"stderr{rank}.txt", "w")
-        cmd = [sys.executable, __file__, check, str(out_dir)]
+        cmd = [sys.executable, script, check, str(out_dir)]
         procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=err), err))
     results = []
     for p, err in procs:
