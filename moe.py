@@ -36,8 +36,11 @@ class ExpertLinear(nn.Module):
 
     def forward(self, x: Tensor, expert_idx: Tensor) -> Tensor:
         # x [M, in]; expert_idx [M] -> [M, out]: row m through expert expert_idx[m]. Only the
-        # named experts' weights are read (a gather).
-        return torch.einsum("mi,moi->mo", x, self.weights(expert_idx).to(x.dtype))
+        # named experts' weights are read (a gather). A product and a sum rather than a bmm:
+        # torch.compile fuses the gather (and any dequantization) into one reduction kernel,
+        # where a bmm would first copy the gathered weights. M is small here (moe_experts).
+        w = self.weights(expert_idx).to(x.dtype)  # [M, out, in]
+        return (x[:, None, :] * w).sum(dim=-1)
 
     def expert(self, x: Tensor, e: int) -> Tensor:
         # x [M, in], every row through expert e -> [M, out]
