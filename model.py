@@ -175,6 +175,7 @@ _LLAMA31_SCALING = dict(
 _LLAMA32_SCALING = dict(_LLAMA31_SCALING, factor=32.0)
 _LLAMA3 = dict(vocab_size=128256, n_kv_heads=8, rope_base=500000.0)
 _SMOLLM2 = dict(block_size=8192, vocab_size=49152, tie_embeddings=True)
+_MIXTRAL = dict(n_kv_heads=8, rope_base=1000000.0, num_experts=8, num_activated_experts=2)
 
 # Names gpt-fast users know and the benchmarks use. A checkpoint's own config.json always wins.
 transformer_configs = {
@@ -266,27 +267,16 @@ transformer_configs = {
         rope_scaling=_LLAMA32_SCALING,
     ),
     "Mixtral-8x7B": dict(
-        block_size=32768,
-        n_layer=32,
-        n_head=32,
-        n_kv_heads=8,
-        dim=4096,
-        intermediate_size=14336,
-        rope_base=1000000.0,
-        num_experts=8,
-        num_activated_experts=2,
+        _MIXTRAL, block_size=32768, n_layer=32, n_head=32, dim=4096, intermediate_size=14336
     ),
     "Mixtral-8x22B": dict(
+        _MIXTRAL,
         block_size=65536,
         vocab_size=32768,  # the Instruct model's (v0.1 base: 32000)
         n_layer=56,
         n_head=48,
-        n_kv_heads=8,
         dim=6144,
         intermediate_size=16384,
-        rope_base=1000000.0,
-        num_experts=8,
-        num_activated_experts=2,
     ),
     "stories15M": dict(block_size=256, n_layer=6, n_head=6, dim=288, intermediate_size=768),
     "stories42M": dict(block_size=1024, n_layer=8, n_head=8, dim=512, intermediate_size=1376),

@@ -17,20 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import TINY
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY_MIXTRAL = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_local_experts=4,  # bs 1 decodes by gather (2 < 4), bs 2 and prompts expert by expert
-    num_experts_per_tok=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+# helpers.TINY (dim 64, 2 layers, GQA) with 4 experts, top 2: one row decodes by gather (2 < 4),
+# two rows and prompts expert by expert.
+TINY_MIXTRAL = dict(TINY, num_local_experts=4, num_experts_per_tok=2)
 # For tp: 6 heads of 16 dims (test_tp's BASE) and 8 experts, 4 per rank with --moe_parallel expert.
 TP_MOE = dict(num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
 TP_MODES = ("float32", "int8", "int4")
