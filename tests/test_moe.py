@@ -294,6 +294,7 @@ def test_bench_random_model_builds_mixtral_modes():
     # scripts/bench.py --models Mixtral-8x7B --modes bf16,int8,int4.g32, on a tiny config of the
     # same kind (the real one needs 90 GB).
     import bench
+    from generate import weight_bytes
     from model import ModelArgs
 
     config = ModelArgs(vocab_size=128, n_layer=2, n_head=4, n_kv_heads=2, dim=64,
@@ -303,6 +304,12 @@ def test_bench_random_model_builds_mixtral_modes():
                        ("int4.g32", "Int4ExpertLinear")):  # fmt: skip
         model = bench.random_model(config, mode, torch.device("cpu"), torch.float32)
         assert type(model.layers[0].feed_forward.w13).__name__ == kind
+        # Bandwidth counts the 2 of 8 experts a token reads.
+        experts = sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
+                      if ".w13." in n or ".w2." in n)  # fmt: skip
+        others = sum(t.numel() * t.element_size() for n, t in model.state_dict().items()
+                     if not (".w13." in n or ".w2." in n or n.startswith("tok_emb")))  # fmt: skip
+        assert weight_bytes(model) == others + experts // 4
         assert type(model.layers[0].feed_forward.gate).__name__ == "Linear"  # router stays float
         model.setup_caches(1, 16)
         with torch.no_grad():
