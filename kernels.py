@@ -8,6 +8,8 @@
 # against. `use_kernels(model)` swaps them into a loaded model on CUDA.
 #
 # Quantized weights come in quantize.py's stored formats, read as they are: no repacking.
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -104,9 +106,85 @@ if triton is not None:
     # little: products are exact to 2^-24 of |x| while the signal is >= 2^-15 |x|.
 
     @triton.jit
+    def _int8_word_floats(w, WORDS: tl.constexpr):
+        # int32 words of 4 int8 -> 4 float32 tensors 1 + (q_t + 128) / 2^15, t = 0..3.
+        # WORDS == 2: one PRMT per byte (PTX; Triton's interpreter cannot run it), else shifts
+        # and masks.
+        if WORDS == 2:
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b32 t;
+                xor.b32 t, $4, 0x80808080;
+                prmt.b32 $0, t, 0x3F800000, 0x7604;
+                prmt.b32 $1, t, 0x3F800000, 0x7614;
+                prmt.b32 $2, t, 0x3F800000, 0x7624;
+                prmt.b32 $3, t, 0x3F800000, 0x7634;
+                }""",
+                "=r,=r,=r,=r,r",
+                [w],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            w = w ^ -2139062144  # 0x80808080: q + 128 in every byte
+            v0 = (((w << 8) & 0xFF00) | 0x3F800000).to(tl.float32, bitcast=True)
+            v1 = ((w & 0xFF00) | 0x3F800000).to(tl.float32, bitcast=True)
+            v2 = (((w >> 8) & 0xFF00) | 0x3F800000).to(tl.float32, bitcast=True)
+            v3 = (((w >> 16) & 0xFF00) | 0x3F800000).to(tl.float32, bitcast=True)
+            return v0, v1, v2, v3
+
+    @triton.jit
+    def _int4_word_floats(w, WORDS: tl.constexpr):
+        # int32 words of 8 nibbles -> 8 float32 tensors 1 + q_i / 2^11 (i = 0, 2, 3, 5) or
+        # 1 + q_i / 2^7 (i = 1, 4, 6, 7). WORDS == 2: one LOP3 (and-or) per nibble in PTX;
+        # ptxas would otherwise spend two, since both of its constants are immediates.
+        if WORDS == 2:
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .b32 t0, t1, t2, t3, lo, hi, one;
+                mov.b32 lo, 0xF000;
+                mov.b32 hi, 0xF0000;
+                mov.b32 one, 0x3F800000;
+                shl.b32 t0, $8, 12;
+                shl.b32 t1, $8, 4;
+                shr.b32 t2, $8, 8;
+                shr.b32 t3, $8, 12;
+                lop3.b32 $0, t0, lo, one, 0xEA;
+                lop3.b32 $1, t0, hi, one, 0xEA;
+                lop3.b32 $2, t1, lo, one, 0xEA;
+                lop3.b32 $3, $8, lo, one, 0xEA;
+                lop3.b32 $4, $8, hi, one, 0xEA;
+                lop3.b32 $5, t2, lo, one, 0xEA;
+                lop3.b32 $6, t2, hi, one, 0xEA;
+                lop3.b32 $7, t3, hi, one, 0xEA;
+                }""",
+                "=r,=r,=r,=r,=r,=r,=r,=r,r",
+                [w],
+                dtype=(tl.float32,) * 8,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            w12 = w << 12
+            w4 = w << 4
+            w8 = w >> 8
+            w12r = w >> 12
+            v0 = ((w12 & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v1 = ((w12 & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v2 = ((w4 & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v3 = ((w & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v4 = ((w & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v5 = ((w8 & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v6 = ((w8 & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
+            v7 = ((w12r & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
+            return v0, v1, v2, v3, v4, v5, v6, v7
+
+    @triton.jit
     def _int8_words(
         x_ptr, w_ptr, nw_ptr, rstd, K, stride_wn, rn, n_ok, k_lo, k_hi,
         NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        WORDS: tl.constexpr,
     ):  # fmt: skip
         # int8 rows as int32 words: byte t of word j is k = 4j + t. XOR 0x80 makes u = q + 128
         # unsigned; each byte is moved to bits 8..15 (b = 8), v = 1 + u / 2^15. -> [1, BLOCK_N]
@@ -118,18 +196,17 @@ if triton is not None:
             kw = k // 4 + rw  # [BW] word index
             w_ok = n_ok[:, None] & (kw < k_hi // 4)[None, :]
             w = tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :], mask=w_ok, other=0)
-            w = w ^ -2139062144  # 0x80808080: q + 128 in every byte
             x_off = 4 * kw[:, None] + tl.arange(0, 4)[None, :]  # [BW, 4]
             x4 = _load_x(x_ptr, x_off, x_off < k_hi, x_off, nw_ptr, rstd, K, NORM, GLU)
             xs += tl.sum(x4, axis=1)
             x_even, x_odd = tl.split(tl.reshape(x4 * 32768.0, [BW, 2, 2]))  # t = 2a + c
             x0, x2 = tl.split(x_even)
             x1, x3 = tl.split(x_odd)
-            v0 = (((w << 8) & 0xFF00) | 0x3F800000).to(tl.float32, bitcast=True)
-            v1 = ((w & 0xFF00) | 0x3F800000).to(tl.float32, bitcast=True)
-            v2 = (((w >> 8) & 0xFF00) | 0x3F800000).to(tl.float32, bitcast=True)
-            v3 = (((w >> 16) & 0xFF00) | 0x3F800000).to(tl.float32, bitcast=True)
-            acc += v0 * x0[None, :] + v1 * x1[None, :] + v2 * x2[None, :] + v3 * x3[None, :]
+            v0, v1, v2, v3 = _int8_word_floats(w, WORDS)
+            acc += v0 * x0[None, :]  # one FMA per weight: no sums of products first
+            acc += v1 * x1[None, :]
+            acc += v2 * x2[None, :]
+            acc += v3 * x3[None, :]
         # sum(v * x') = 2^15 sum(x) + sum((q + 128) x)
         return (tl.sum(acc, axis=1) - (32768.0 + 128.0) * tl.sum(xs))[None, :]
 
@@ -137,7 +214,7 @@ if triton is not None:
     def _int4_words(
         x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rstd, K, stride_wn, stride_sn, rn, n_ok, k_lo, k_hi,
         G: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
+        BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
     ):  # fmt: skip
         # int4 rows as int32 words: nibble i (bits 4i..4i+3) of word j is k = 8j + i, the
         # stored format read as is. Shifts by 12, 4, 0, -8, -12 bring every nibble to bits
@@ -160,9 +237,7 @@ if triton is not None:
             x8 = _load_x(
                 x_ptr, x_off, g_ok[:, None, None], x_off, nw_ptr, rstd, K, NORM, GLU
             )  # fmt: skip
-            xsum = tl.sum(tl.sum(x8, axis=2), axis=1)  # [NG]
             x8 = x8 * x_scale[None, None, :]
-            xs_sum = tl.sum(tl.sum(x8, axis=2), axis=1)  # [NG]
             # i = 4a + 2b + c: split off c, then b, then a
             x_c0, x_c1 = tl.split(tl.reshape(x8, [NG, WG, 2, 2, 2]))
             x_c0b0, x_c0b1 = tl.split(x_c0)
@@ -171,26 +246,26 @@ if triton is not None:
             x2, x6 = tl.split(x_c0b1)
             x1, x5 = tl.split(x_c1b0)
             x3, x7 = tl.split(x_c1b1)
-            w12 = w << 12
-            w4 = w << 4
-            w8 = w >> 8
-            w12r = w >> 12
-            v0 = ((w12 & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v1 = ((w12 & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v2 = ((w4 & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v3 = ((w & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v4 = ((w & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v5 = ((w8 & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v6 = ((w8 & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v7 = ((w12r & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
-            t = v0 * x0[None] + v1 * x1[None] + v2 * x2[None] + v3 * x3[None]
-            t += v4 * x4[None] + v5 * x5[None] + v6 * x6[None] + v7 * x7[None]
-            qx = tl.sum(t, axis=2) - xs_sum[None, :]  # [BN, NG]: sum over the group of q * x
+            v0, v1, v2, v3, v4, v5, v6, v7 = _int4_word_floats(w, WORDS)
+            t = v0 * x0[None]  # [BN, NG, WG], one FMA per weight
+            t += v1 * x1[None]
+            t += v2 * x2[None]
+            t += v3 * x3[None]
+            t += v4 * x4[None]
+            t += v5 * x5[None]
+            t += v6 * x6[None]
+            t += v7 * x7[None]
+            # The x-only sums, taken where each thread already holds its group's x' (in-thread
+            # adds, no reduction across warps): x' sums per scale class.
+            x12 = tl.sum((x0 + x2 + x3 + x5)[None], axis=2)  # [1, NG], x' = x * 2^11
+            x16 = tl.sum((x1 + x4 + x6 + x7)[None], axis=2)  # [1, NG], x' = x * 2^7
+            qx = tl.sum(t, axis=2) - (x12 + x16)  # [BN, NG]: sum over the group of q * x
+            xsum = x12 * (1.0 / 2048.0) + x16 * (1.0 / 128.0)
             s_off = rn[:, None] * stride_sn + (k // G + rg)[None, :]
             sg_ok = n_ok[:, None] & g_ok[None, :]
             s = tl.load(s_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)  # [BN, NG]
             z = tl.load(z_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)
-            acc += s * (qx - z * xsum[None, :])
+            acc += s * (qx - z * xsum)
         return tl.sum(acc, axis=1)[None, :]  # [1, BN]
 
     @triton.jit
@@ -227,13 +302,13 @@ if triton is not None:
         if WORDS and FMT == 1:
             out = _int8_words(
                 x_ptr, w_ptr, nw_ptr, rstd, K, stride_wn, rn, n_ok, k_lo, k_hi,
-                NORM, GLU, BLOCK_N, BLOCK_K,
+                NORM, GLU, BLOCK_N, BLOCK_K, WORDS,
             )  # fmt: skip
             out = out * tl.load(s_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
         elif WORDS and FMT == 2:
             out = _int4_words(
                 x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rstd, K, stride_wn, stride_sn, rn, n_ok,
-                k_lo, k_hi, G, NORM, GLU, BLOCK_N, BLOCK_K,
+                k_lo, k_hi, G, NORM, GLU, BLOCK_N, BLOCK_K, WORDS,
             )  # fmt: skip
         elif FMT == 2:
             # int4, stored format: byte j of a row holds k = 2j (low nibble) and 2j + 1 (high);
@@ -342,9 +417,11 @@ def gemv_config(fmt: int, M: int, N: int, K: int) -> dict:
     # Launch parameters by shape, from the sweep in scripts/bench.py (--sweep) on an H200:
     # enough 16-byte loads in flight per SM and enough programs to cover its 132 SMs.
     block_m = 1 if M == 1 else 16
-    if fmt == INT4:
+    if fmt in (INT4, INT8) and block_m == 1:  # the 32-bit-word paths
+        cfg = dict(BLOCK_N=16, BLOCK_K=1024, num_warps=4, num_stages=3)
+    elif fmt == INT4:
         cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
-    else:  # int8 with 1024 columns per step measured slower (239 vs 261 tok/s on Llama-2-7B)
+    else:
         cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
     if block_m > 1:
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], 16)
@@ -422,6 +499,8 @@ def _gemv_launch(
             and weight.stride(1) == 1
             and weight.storage_offset() % 4 == 0
         )
+    # 1: the word path in plain Triton; 2: with its PTX, which the interpreter cannot run
+    words = int(words) * (1 if os.environ.get("TRITON_INTERPRET") == "1" else 2)
     if words:
         weight = weight.view(torch.int32)  # [N, K/4] for int8, [N, K/8] for int4
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k)
@@ -479,6 +558,7 @@ if triton is not None:
         out_ptr, H_KV, N_SPLIT,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
         CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, DIRECT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)  # over batch x kv heads
         split = tl.program_id(1)
@@ -502,13 +582,13 @@ if triton is not None:
             kv_off = kv_base + rs[:, None] * stride_ks + rd[None, :]
             k = tl.load(k_ptr + kv_off, mask=s_ok[:, None], other=0)  # [BS, D]
             v = tl.load(v_ptr + kv_off, mask=s_ok[:, None], other=0)
-            scores = tl.dot(q, tl.trans(k)) * sm_scale  # [GP, BS]
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # [GP, BS]
             scores = tl.where(s_ok[None, :], scores, -float("inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
         if DIRECT:  # one split covers the cache: normalise and write the output [B, H, D]
             o_off = (pid * GROUP + rg)[:, None] * D + rd[None, :]
@@ -570,7 +650,8 @@ def _decode_attention_launch(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out, H_kv, n_split,
         GROUP=group, GROUP_PAD=group_pad, D=D, CHUNK=chunk, BLOCK_S=min(64, chunk),
-        DIRECT=direct, num_warps=4, num_stages=2,
+        DIRECT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
     )  # fmt: skip
     if direct:
         return out

@@ -363,8 +363,8 @@ def sweep_configs(fmt, N, K):
     if fmt == kernels.FLOAT:
         grid = [(bn, bk, 4) for bn in (4, 8, 16) for bk in (512, 1024)]
     else:
-        blocks_k = (1024, 2048) if fmt == kernels.INT8 else (512, 1024)
-        grid = [(bn, bk, w) for bn in (8, 16, 32) for bk in blocks_k for w in (4, 8)]
+        grid = [(8, 1024, 4), (8, 2048, 4), (16, 2048, 4), (32, 512, 4), (32, 1024, 4)]
+        grid += [(16, 1024, 8), (16, 2048, 8)]
     configs = [default]
     if fmt in (kernels.INT8, kernels.INT4):
         configs.append(dict(default, WORDS=False))
