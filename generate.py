@@ -554,8 +554,8 @@ def main(
         )
         if seed is not None and not 0 <= seed < 2**63:
             raise UserError(f"--seed must be in [0, 2**63), got {seed}")
-        if profile is not None and not profile.parent.is_dir():
-            raise UserError(f"--profile: the folder {profile.parent} does not exist")
+        if profile is not None and (profile.is_dir() or not profile.parent.is_dir()):
+            raise UserError(f"--profile {profile}: not a file path in an existing folder")
         dev = pick_device(device)
         rank, world = tp.maybe_init_distributed(dev)  # torchrun: one rank per GPU
         if checkpoint_path is None:

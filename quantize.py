@@ -604,6 +604,8 @@ def main(
             raise QuantizeError(f"--output_path {output_path} would overwrite the input")
         if not output_path.parent.is_dir():
             raise QuantizeError(f"the output folder {output_path.parent} does not exist")
+        if output_path.is_dir():
+            raise QuantizeError(f"--output_path {output_path} is a folder, not a file")
         calibration = None
         if mode == "int4-gptq":
             if not 0 <= percdamp < 1:
