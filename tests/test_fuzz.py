@@ -61,17 +61,46 @@ def tokenizers(sp_dir, tiktoken_dir, hf_tokenizer_json, tmp_path_factory):  # no
     return {name: get_tokenizer(folder) for name, folder in folders.items()}
 
 
+# Pieces that tokenizers treat specially: special and added tokens typed as text (encode does not
+# turn them into their ids unless asked), byte fallback, whitespace runs, NUL.
+PIECES = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<think>",
+    "<|begin_of_text|>",
+    " ",
+    "  ",
+    "\n",
+    "\t",
+    "\x00",
+    "é",
+    "日本",
+    "🚀",
+    "▁",
+    "Ġ",
+    "12",
+]
+texts = st.one_of(st.text(max_size=40), st.lists(st.sampled_from(PIECES), max_size=8).map("".join))
+
+
 @bounded(150)
-@given(text=st.text(max_size=40), ids=st.lists(st.integers(0, 399), max_size=20))
+@given(text=texts, ids=st.lists(st.integers(0, 399), max_size=20))
 def test_tokenizers_round_trip_random_unicode(tokenizers, text, ids):
     for name, tok in tokenizers.items():
+        # SentencePiece writes spaces as "▁" (U+2581), so a "▁" in the text comes back as a
+        # space, in the sentencepiece library as here; everything else comes back exactly.
+        expected = text.replace("▁", " ") if name == "sentencepiece" else text
         encoded = tok.encode(text, bos=False)
-        assert tok.decode(encoded) == text, name
+        assert tok.decode(encoded) == expected, name
         # Any ids in the vocabulary decode, all at once or streamed, without an exception.
         tok.decode(ids)
         stream = StreamDecoder(tok)
         streamed = "".join(stream.push(i) for i in encoded) + stream.flush()
-        assert streamed == text, name
+        assert streamed == expected, name
 
 
 # ---------------------------------------------------------------------------------------------
