@@ -401,3 +401,21 @@ def test_out_of_memory_message_gives_needed_free_and_flags(tiny):
     kv = kv_cache_bytes(model, 1, 256)
     with pytest.raises(UserError, match="KV cache"):
         check_memory("cpu", model_bytes(model), kv, loaded=True, free=kv // 2, seq_len=256)
+
+
+def test_out_of_memory_past_the_estimate_is_one_line(tiny, monkeypatch):
+    # A torch.OutOfMemoryError in setup (the estimate was short, or another process took memory)
+    # ends in one line that keeps torch's numbers and adds the flags.
+    torch_message = (
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.80 GiB "
+        "of which 1.06 GiB is free.\nIncluding non-PyTorch memory, this process has ..."
+    )
+
+    def fail(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError(torch_message)
+
+    monkeypatch.setattr(generate, "load_model", fail)
+    code, out, _ = run_main(generate, ["--checkpoint_path", str(tiny)])
+    assert isinstance(code, str) and "\n" not in code and not out
+    assert code.startswith("error: out of GPU memory: CUDA out of memory. Tried to allocate 2.00")
+    assert "1.06 GiB is free" in code and "--max_seq_length" in code and "int4" in code
