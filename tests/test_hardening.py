@@ -350,7 +350,7 @@ def test_real_model_decodes_up_to_its_last_context_position(tmp_path):
 
 @pytest.mark.skipif(
     smollm2_gguf() is None or not os.environ.get("FASTGEN_LONG"),
-    reason="prefills 7900 real tokens: ~160 s on 2 cores; FASTGEN_LONG=1 runs it",
+    reason="prefills 7900 real tokens: 160-390 s on 2 cores; FASTGEN_LONG=1 runs it",
 )
 def test_full_context_from_a_real_prompt(tmp_path):
     from convert_gguf import convert_gguf
