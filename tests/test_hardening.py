@@ -327,7 +327,7 @@ def test_interactive_chat_past_the_context_drops_the_oldest_exchanges(tiny):
 def test_real_model_decodes_up_to_its_last_context_position(tmp_path):
     # SmolLM2's full context is 8192. Prefilling ~8000 tokens costs over a minute on 2 cores, so
     # the prompt goes to the last slots of an otherwise empty cache: the rope table, the cache
-    # writes and the masks are exercised at positions 8192 - 24 .. 8191, which is where an
+    # writes and the masks are exercised at positions 8192 - 21 .. 8191, which is where an
     # off-by-one would fail. (test_full_context_from_a_real_prompt does the whole thing.)
     from convert_gguf import convert_gguf
     from tokenizer import get_tokenizer
