@@ -130,7 +130,8 @@ def generate(
     # on_token(list[int]) sees each step's tokens for all rows as they are known.
     B, T = prompt.shape
     device = prompt.device
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    # floats always: an int 0 and a float 0.8 would be two compiled graphs
+    sampling = dict(temperature=float(temperature), top_k=top_k, top_p=float(top_p))
     input_pos = torch.arange(start_pos, start_pos + T, device=device)
     from_zero = start_pos == 0 and pad is None
     token = prefill_fn(model, prompt, input_pos, pad, from_zero, **sampling).clone()  # [B, 1]

@@ -72,13 +72,16 @@ def matmul_tflops(device, n: int = 8192) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def random_model(name: str, mode: str, device, dtype, use_kernels: bool = True) -> Transformer:
-    # Same path as loading a checkpoint: build on meta, materialise, quantize, kernels.
+def random_model(
+    name: str, mode: str, device, dtype, use_kernels: bool = True, seed: int = 0
+) -> Transformer:
+    # Same path as loading a checkpoint: build on meta, materialise, quantize, kernels. The same
+    # seed gives the same weights before quantization, whatever the mode.
     config = ModelArgs.from_name(name) if isinstance(name, str) else name
     with torch.device("meta"):
         model = Transformer(config).to(dtype)  # dtype first: materialise once, in the target dtype
     model = model.to_empty(device=device)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)  # random, never zeros: zeros can flatter caches and compressors
@@ -217,6 +220,123 @@ def bench_model(
             res["ttft2048_pct_peak"] = 100 * res["ttft2048_tflops"] / peak_tflops
     del model
     return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding
+# ---------------------------------------------------------------------------------------------
+
+# A prompt whose answer mostly repeats the prompt: what prompt lookup is for.
+EDIT_PASSAGE = (
+    "The old lighthouse stood at the end of the harbour wall. Every evening the keeper climbed "
+    "the ninety steps, lit the lamp and wrote the weather in a small green book. Ships passing "
+    "in the night saw the beam turn once every twelve seconds, and the fishermen said they could "
+    "set their watches by it. When the keeper retired, the town kept the lamp burning and a "
+    "volunteer climbed the steps in his place."
+)
+EDIT_PROMPT = (
+    "Repeat the following passage exactly, but replace the word 'keeper' with 'guardian' "
+    "everywhere:\n\n" + EDIT_PASSAGE
+)
+
+
+def speculative_rate(sp, prompt, new_tokens, samples, **sampling) -> dict:
+    # Mean tok/s and acceptance of speculative.generate over samples runs, after one warm-up.
+    import speculative
+
+    speculative.generate(sp, prompt, new_tokens, **sampling)
+    rates, kept, plain = [], [], []
+    for _ in range(samples):
+        speculative.generate(sp, prompt, new_tokens, **sampling)
+        s = sp.stats
+        rates.append(s.tokens / s.seconds)
+        kept.append(s.mean_accepted)
+        plain.append(s.plain_tokens / max(s.tokens, 1))
+    return dict(
+        tok_s=statistics.mean(rates),
+        mean_kept=statistics.mean(kept),
+        k=sp.k,
+        plain_fraction=statistics.mean(plain),
+        histogram=sp.stats.accepted,
+    )
+
+
+def bench_speculative(name, device, dtype, spec_checkpoint, new_tokens=200, samples=3) -> list:
+    # 1. name in bf16 as target, its own int4 (same random weights) as draft;
+    # 2. low acceptance: a draft with other random weights, and prompt lookup on random text
+    #    (adaptive k must fall back to plain decoding: at most 5% slower);
+    # 3. prompt lookup on a real checkpoint (spec_checkpoint) asked to repeat and edit a passage.
+    import speculative
+
+    steps = compile_steps(True, compile_prefill=False)
+    results = []
+    prompt = torch.randint(0, 1000, (1, 5), generator=torch.Generator().manual_seed(1))
+    prompt = prompt.to(device)
+
+    def plain_rate(model, prompt, n, **sampling):
+        def run():
+            return generate(model, prompt, n, **sampling, **steps)
+
+        run()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(samples):
+            run()
+        sync(device)
+        return samples * n / (time.perf_counter() - t0)
+
+    target = random_model(name, "bf16", device, dtype)
+    max_len = 5 + new_tokens + 64
+    target.setup_caches(1, max_len)
+    for temperature in (0.8, 0.0):
+        sampling = dict(temperature=temperature, top_k=200)
+        base = plain_rate(target, prompt, new_tokens, **sampling)
+        cases = [("draft int4.g32, same weights", dict(mode="int4.g32", seed=0), None)]
+        cases += [("draft bf16, other weights", dict(mode="bf16", seed=1), None)]
+        cases += [("3-gram lookup, random text", None, 3)]
+        for label, draft_spec, ngram in cases:
+            draft = None
+            if draft_spec is not None:
+                draft = random_model(name, device=device, dtype=dtype, **draft_spec)
+            sp = speculative.setup(
+                target, None, None, 5 if draft else 8, ngram, device, max_len, True, draft=draft
+            )
+            r = speculative_rate(sp, prompt, new_tokens, samples, **sampling)
+            r.update(target=f"{name} bf16", case=label, temperature=temperature, plain_tok_s=base)
+            r["speedup"] = r["tok_s"] / base
+            log(
+                f"speculative {name} {label} T={temperature}: {r['tok_s']:.1f} tok/s vs plain "
+                f"{base:.1f} ({r['speedup']:.2f}x), mean kept {r['mean_kept']:.2f} of {r['k']}"
+            )
+            results.append(r)
+            del sp, draft
+    del target
+
+    if spec_checkpoint is not None:
+        from generate import load_model
+        from tokenizer import get_tokenizer
+
+        path = Path(spec_checkpoint)
+        tok = get_tokenizer(path.parent)
+        model = load_model(path, device, dtype)
+        ids = tok.encode_chat([{"role": "user", "content": EDIT_PROMPT}])
+        prompt = torch.tensor([ids], device=device)
+        n = 160
+        model.setup_caches(1, len(ids) + n + 64)
+        for temperature in (0.0, 0.8):
+            sampling = dict(temperature=temperature, top_k=200)
+            base = plain_rate(model, prompt, n, **sampling)
+            sp = speculative.setup(model, tok, None, 8, 3, device, len(ids) + n + 64, True)
+            r = speculative_rate(sp, prompt, n, samples, **sampling)
+            r.update(target=str(path), case="3-gram lookup, repeat-and-edit prompt",
+                     temperature=temperature, plain_tok_s=base)  # fmt: skip
+            r["speedup"] = r["tok_s"] / base
+            log(
+                f"speculative {path.parent.name} 3-gram T={temperature}: {r['tok_s']:.1f} tok/s "
+                f"vs plain {base:.1f} ({r['speedup']:.2f}x), mean kept {r['mean_kept']:.2f}"
+            )
+            results.append(r)
+    return results
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,7 +520,7 @@ def plot(results: list[dict], path: Path):
 
 def main(
     models, modes, device, out, plot_path, metrics, kernels_only, sweep, compile, precision,
-    new_tokens, samples, kernels,
+    new_tokens, samples, kernels, speculative, spec_checkpoint,
 ):  # fmt: skip
     try:
         dev = pick_device(device)
@@ -425,6 +545,8 @@ def main(
         log(f"measured bf16 matmul {peak:.0f} TFLOP/s")
     if kernels_only or sweep:
         report["kernels"] = bench_kernels(names, dev, report["read_gb_s"] * 1e9, sweep)
+    elif speculative:
+        report["speculative"] = bench_speculative(names[0], dev, dtype, spec_checkpoint)
     else:
         report["results"] = []
         for name in names:
@@ -491,6 +613,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=sorted(PRECISIONS), default=None)
     p.add_argument("--new_tokens", type=int, default=200, help="tokens per decode sample")
     p.add_argument("--samples", type=int, default=5, help="timed decode samples")
+    p.add_argument(
+        "--speculative",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="benchmark speculative decoding: the first model in bf16 with its own int4 as "
+        "draft, low-acceptance cases, and prompt lookup on --spec_checkpoint",
+    )
+    p.add_argument(
+        "--spec_checkpoint",
+        type=Path,
+        default=None,
+        help="with --speculative: a real model.pth for the prompt-lookup (repeat and edit) case",
+    )
     p.add_argument(
         "--kernels",
         action=argparse.BooleanOptionalAction,
