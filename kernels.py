@@ -417,8 +417,10 @@ def gemv_config(fmt: int, M: int, N: int, K: int) -> dict:
     # Launch parameters by shape, from the sweep in scripts/bench.py (--sweep) on an H200:
     # enough 16-byte loads in flight per SM and enough programs to cover its 132 SMs.
     block_m = 1 if M == 1 else 16
-    if fmt in (INT4, INT8) and block_m == 1:  # the 32-bit-word paths
-        cfg = dict(BLOCK_N=16, BLOCK_K=1024, num_warps=4, num_stages=3)
+    if fmt == INT8 and block_m == 1:  # the word path; from the sweep (76% on 22016x4096)
+        cfg = dict(BLOCK_N=8, BLOCK_K=1024 if N > 3 * K else 2048, num_warps=4, num_stages=3)
+    elif fmt == INT4 and block_m == 1:  # the word path: 30% at best, bound by layout changes
+        cfg = dict(BLOCK_N=16, BLOCK_K=2048 if N <= K else 1024, num_warps=4, num_stages=3)
     elif fmt == INT4:
         cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
     else:

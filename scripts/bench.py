@@ -261,7 +261,9 @@ def speculative_rate(sp, prompt, new_tokens, samples, **sampling) -> dict:
     )
 
 
-def bench_speculative(name, device, dtype, spec_checkpoint, new_tokens=200, samples=3) -> list:
+def bench_speculative(
+    name, device, dtype, spec_checkpoint, new_tokens=200, samples=3, temperatures=(0.8, 0.0)
+) -> list:
     # 1. name in bf16 as target, its own int4 (same random weights) as draft;
     # 2. low acceptance: a draft with other random weights, and prompt lookup on random text
     #    (adaptive k must fall back to plain decoding: at most 5% slower);
@@ -288,7 +290,7 @@ def bench_speculative(name, device, dtype, spec_checkpoint, new_tokens=200, samp
     target = random_model(name, "bf16", device, dtype)
     max_len = 5 + new_tokens + 64
     target.setup_caches(1, max_len)
-    for temperature in (0.8, 0.0):
+    for temperature in temperatures:
         sampling = dict(temperature=temperature, top_k=200)
         base = plain_rate(target, prompt, new_tokens, **sampling)
         cases = [("draft int4.g32, same weights", dict(mode="int4.g32", seed=0), None)]
@@ -323,7 +325,7 @@ def bench_speculative(name, device, dtype, spec_checkpoint, new_tokens=200, samp
         prompt = torch.tensor([ids], device=device)
         n = 160
         model.setup_caches(1, len(ids) + n + 64)
-        for temperature in (0.0, 0.8):
+        for temperature in temperatures:
             sampling = dict(temperature=temperature, top_k=200)
             base = plain_rate(model, prompt, n, **sampling)
             sp = speculative.setup(model, tok, None, 8, 3, device, len(ids) + n + 64, True)
@@ -520,7 +522,7 @@ def plot(results: list[dict], path: Path):
 
 def main(
     models, modes, device, out, plot_path, metrics, kernels_only, sweep, compile, precision,
-    new_tokens, samples, kernels, speculative, spec_checkpoint,
+    new_tokens, samples, kernels, speculative, spec_checkpoint, spec_temperatures,
 ):  # fmt: skip
     try:
         dev = pick_device(device)
@@ -546,7 +548,10 @@ def main(
     if kernels_only or sweep:
         report["kernels"] = bench_kernels(names, dev, report["read_gb_s"] * 1e9, sweep)
     elif speculative:
-        report["speculative"] = bench_speculative(names[0], dev, dtype, spec_checkpoint)
+        temps = tuple(float(t) for t in spec_temperatures.split(","))
+        report["speculative"] = bench_speculative(
+            names[0], dev, dtype, spec_checkpoint, temperatures=temps
+        )
     else:
         report["results"] = []
         for name in names:
@@ -625,6 +630,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="with --speculative: a real model.pth for the prompt-lookup (repeat and edit) case",
+    )
+    p.add_argument(
+        "--spec_temperatures",
+        default="0.8,0",
+        help="with --speculative: comma-separated sampling temperatures to measure",
     )
     p.add_argument(
         "--kernels",
