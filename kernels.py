@@ -42,8 +42,20 @@ def gemv_reference(
     eps: float = 1e-5,
     glu: bool = False,
     residual: Tensor | None = None,
+    expert_idx: Tensor | None = None,
 ) -> Tensor:
     # What gemv computes, in float32, returned in x's dtype. Weight formats are quantize.py's.
+    # With expert_idx [M]: weight (and scales, zeros) are stacks [E, ...] and row m of x goes
+    # through expert expert_idx[m].
+    if expert_idx is not None:
+        rows = []
+        for m, e in enumerate(expert_idx.tolist()):
+            pick = [t[e] if t is not None else None for t in (weight, scales, zeros)]
+            rest = (bias, norm_weight, eps, glu)
+            r = residual[m : m + 1] if residual is not None else None
+            rows.append(gemv_reference(x[m : m + 1], pick[0], fmt, pick[1], pick[2], groupsize,
+                                       *rest, r))  # fmt: skip
+        return torch.cat(rows)
     xf = x.float()
     if glu:
         gate, up = xf.chunk(2, dim=-1)
@@ -270,18 +282,27 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, y_ptr,
-        M, N, K, eps, stride_xm, stride_wn, stride_sn, stride_rm, stride_ym,
+        x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, e_ptr,
+        M, N, K, eps, stride_xm, stride_wn, stride_sn, stride_rm, stride_ym, stride_we, stride_se,
         FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
         GLU: tl.constexpr, RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, WORDS: tl.constexpr,
+        SPLIT_K: tl.constexpr, WORDS: tl.constexpr, EXPERTS: tl.constexpr,
     ):  # fmt: skip
         # y[m, n] = sum_k x'[m, k] * W[n, k] (+ bias[n]) (+ residual[m, n]), x' = prologue(x).
         # BLOCK_M == 1: elementwise products summed once at the end (no tensor cores needed);
         # BLOCK_M >= 16: tl.dot on dequantized tiles, for batches of a few rows.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
+        if EXPERTS:  # program_id(2) picks a row of x and its expert's weights
+            row = tl.program_id(2)
+            e = tl.load(e_ptr + row).to(tl.int64)
+            x_ptr += row * stride_xm
+            r_ptr += row * stride_rm
+            y_ptr += row * stride_ym
+            w_ptr += e * stride_we
+            s_ptr += e * stride_se
+            z_ptr += e * stride_se
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
@@ -453,15 +474,21 @@ def gemv(
     glu: bool = False,
     residual: Tensor | None = None,
     config: dict | None = None,
+    expert_idx: Tensor | None = None,
 ) -> Tensor:
     # y = prologue(x) @ W^T (+ bias) (+ residual), x [..., K] (or [..., 2K] with glu) with at
     # most MAX_GEMV_ROWS rows -> y [..., N] in x's dtype. The prologue is RMSNorm with
-    # norm_weight, or silu(x[..., :K]) * x[..., K:] with glu.
+    # norm_weight, or silu(x[..., :K]) * x[..., K:] with glu. expert_idx [M] (x [M, K]): W is a
+    # stack [E, N, K] of experts' weights and row m uses expert expert_idx[m] (Mixtral decode).
     args = (x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual)
+    if expert_idx is not None:
+        args += (expert_idx,)
     if x.device.type != "cuda" or triton is None:
         return gemv_reference(*args)
     if config is not None:
         return _gemv_launch(*args, config=config)
+    if expert_idx is not None:
+        return torch.ops.fastgen.expert_gemv(*args)
     return torch.ops.fastgen.gemv(*args)
 
 
@@ -477,13 +504,15 @@ def _gemv_launch(
     eps: float,
     glu: bool,
     residual: Tensor | None,
+    expert_idx: Tensor | None = None,
     config: dict | None = None,
 ) -> Tensor:
-    N = weight.shape[0]
-    K = weight.shape[1] * (2 if fmt == INT4 else 1)
+    N = weight.shape[-2]
+    K = weight.shape[-1] * (2 if fmt == INT4 else 1)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M = x2.shape[0]
-    cfg = dict(config or gemv_config(fmt, M, N, K))
+    # Experts: one program row per row of x, each a one-row GEMV against its own expert.
+    cfg = dict(config or gemv_config(fmt, 1 if expert_idx is not None else M, N, K))
     split_k = cfg["SPLIT_K"]
     if split_k > 1:
         y = torch.zeros(M, N, device=x.device, dtype=torch.float32)
@@ -497,25 +526,28 @@ def _gemv_launch(
         words = (
             fmt in (INT8, INT4)
             and cfg["BLOCK_M"] == 1
-            and weight.shape[1] % 4 == 0
-            and weight.stride(1) == 1
+            and weight.shape[-1] % 4 == 0
+            and weight.stride(-1) == 1
             and weight.storage_offset() % 4 == 0
         )
     # 1: the word path in plain Triton; 2: with its PTX, which the interpreter cannot run
     words = int(words) * (1 if os.environ.get("TRITON_INTERPRET") == "1" else 2)
     if words:
         weight = weight.view(torch.int32)  # [N, K/4] for int8, [N, K/8] for int4
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k)
+    experts = expert_idx is not None
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k, M if experts else 1)
     _gemv_kernel[grid](
         x2, weight,
         scales if scales is not None else y,
         zeros if zeros is not None else y,
         bias if bias is not None else y,
         norm_weight if norm_weight is not None else y,
-        r2, y, M, N, K, eps,
-        x2.stride(0), weight.stride(0), scales.stride(0) if scales is not None else 0,
+        r2, y, expert_idx if experts else y, 1 if experts else M, N, K, eps,
+        x2.stride(0), weight.stride(-2), scales.stride(-2) if scales is not None else 0,
         r2.stride(0), y.stride(0),
-        FMT=fmt, G=max(groupsize, 2), HAS_BIAS=bias is not None,
+        weight.stride(0) if experts else 0,
+        scales.stride(0) if experts and scales is not None else 0,
+        EXPERTS=experts, FMT=fmt, G=max(groupsize, 2), HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", WORDS=words, **cfg,
     )  # fmt: skip
@@ -545,6 +577,32 @@ if triton is not None:
     @_gemv_op.register_fake
     def _gemv_fake(x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual):
         return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    @torch.library.custom_op("fastgen::expert_gemv", mutates_args=())
+    def _expert_gemv_op(
+        x: Tensor,
+        weight: Tensor,
+        fmt: int,
+        scales: Tensor | None,
+        zeros: Tensor | None,
+        groupsize: int,
+        bias: Tensor | None,
+        norm_weight: Tensor | None,
+        eps: float,
+        glu: bool,
+        residual: Tensor | None,
+        expert_idx: Tensor,
+    ) -> Tensor:
+        return _gemv_launch(
+            x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual,
+            expert_idx,
+        )  # fmt: skip
+
+    @_expert_gemv_op.register_fake
+    def _expert_gemv_fake(
+        x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual, expert_idx
+    ):
+        return x.new_empty(x.shape[0], weight.shape[-2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -754,6 +812,39 @@ def gemv_format(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def expert_format(module: nn.Module) -> tuple[int, int] | None:
+    # (fmt, groupsize) for moe.py's and quantize.py's expert stacks, None for anything else.
+    kind = type(module).__name__
+    formats = {"ExpertLinear": FLOAT, "Int8ExpertLinear": INT8, "Fp8ExpertLinear": FP8}
+    if kind == "Int4ExpertLinear":
+        return INT4, module.groupsize
+    return (formats[kind], 0) if kind in formats else None
+
+
+def moe_experts(x: Tensor, w13, w2, expert_idx: Tensor, expert_weights: Tensor) -> Tensor:
+    # moe.moe_experts with the decode case on gemv: x [N, dim], expert_idx/expert_weights [N, k].
+    # Each (row, expert) pair is one row of two expert GEMVs that read only that expert's
+    # weights: w13 (gate | up), then w2 with SwiGLU as its prologue.
+    import moe
+
+    N, k = expert_idx.shape
+    E = w13.n_experts
+    if N * k >= E or x.device.type != "cuda":
+        return moe.moe_experts(x, w13, w2, expert_idx, expert_weights)
+    here = (expert_idx >= 0) & (expert_idx < E)  # other ranks' experts count as absent
+    weights = torch.where(here, expert_weights, 0.0)  # [N, k]
+    idx = expert_idx.clamp(0, E - 1).flatten().to(torch.int32)  # [N * k]
+    xs = x.repeat_interleave(k, dim=0)  # [N * k, dim]
+
+    def run(linear, inp, **fused):
+        fmt, groupsize = expert_format(linear)
+        scales, zeros = getattr(linear, "scales", None), getattr(linear, "zeros", None)
+        return gemv(inp, linear.weight, fmt, scales, zeros, groupsize, expert_idx=idx, **fused)
+
+    y = run(w2, run(w13, xs), glu=True).view(N, k, -1)  # [N, k, dim]
+    return (y.float() * weights[..., None]).sum(dim=1).to(x.dtype)
+
+
 class FusedBlock(nn.Module):
     # A TransformerBlock whose decode step folds each RMSNorm into the next GEMV's prologue,
     # SwiGLU into w2's and the residual adds into wo's and w2's epilogues: 4 GEMVs plus the
@@ -781,11 +872,17 @@ def use_kernels(model: nn.Module) -> nn.Module:
                 setattr(module, child_name, GemvLinear(child, *fmt))
         if hasattr(module, "attend"):
             module.attend = attend
+        if hasattr(module, "run_experts") and all(
+            expert_format(m) is not None for m in (module.w13, module.w2)
+        ):
+            module.run_experts = moe_experts
         if getattr(module, "tinygemm_weight", None) is not None:
             # gemv reads the stored int4 format; a second, repacked copy would double the
             # memory of every int4 layer. Prefill dequantizes instead.
             module.tinygemm_weight = module.tinygemm_scales_and_zeros = None
     for layer in getattr(model, "layers", []):
+        if hasattr(layer.feed_forward, "run_experts"):
+            continue  # MoE: the block stays plain, its experts run through moe_experts
         linears = (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13,
                    layer.feed_forward.w2)  # fmt: skip
         if type(layer).__name__ == "TransformerBlock" and all(

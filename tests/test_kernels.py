@@ -119,6 +119,32 @@ def test_gemv_quantized_paths(fmt, words):
     torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
 
 
+@pytest.mark.parametrize("fmt", sorted(FMTS))
+@pytest.mark.parametrize("glu", [False, True])
+def test_expert_gemv_reads_each_rows_expert(fmt, glu):
+    # Weights stacked [E, N, K]: row m of x goes through expert idx[m] (Mixtral decode).
+    torch.manual_seed(5)
+    E, N, K = 3, 40, 256
+    parts = [make(FMTS[fmt], N, K) for _ in range(E)]
+    w = {k: torch.stack([p[k] for p in parts]) for k in parts[0] if torch.is_tensor(parts[0][k])}
+    if fmt == "int4":
+        w["groupsize"] = 32
+    idx = torch.tensor([2, 0, 2, 1], device=DEVICE, dtype=torch.int32)
+    x = torch.randn(4, 2 * K if glu else K, device=DEVICE)
+    expected = torch.cat(
+        [
+            kernels.gemv_reference(x[m : m + 1], fmt=FMTS[fmt], glu=glu, **parts[e])
+            for m, e in enumerate(idx.tolist())
+        ]
+    )
+    ref = kernels.gemv_reference(x, fmt=FMTS[fmt], glu=glu, expert_idx=idx, **w)
+    torch.testing.assert_close(ref, expected)
+    cfg = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=2)
+    poison()
+    got = kernels.gemv(x, fmt=FMTS[fmt], glu=glu, config=cfg, expert_idx=idx, **w)
+    torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
+
+
 @pytest.mark.skipif(not GPU, reason="default launch configurations are for CUDA")
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", sorted(FMTS))
