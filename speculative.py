@@ -107,6 +107,7 @@ class Speculator:
     fallback: int = FIRST_FALLBACK  # plain tokens to run the next time speculation loses
     steps_seen: int = 0
     bursts_seen: int = 0
+    plain_pending: int = 0  # fallback tokens a call ended before running: the next call runs them
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,25 +332,36 @@ def speculate_round(
 
 
 def plain_steps(
-    spec: Speculator, history: list[int], n: int, stop_ids, on_token, sampling
+    spec: Speculator, history: list[int], n: int, stop_ids, on_token, sampling, until=None
 ) -> list[int]:
-    # Up to n target-only steps after history[-1], cut after a stop token. As in
-    # generate.generate, step i+1 is launched before token i is read, so the host's look at each
-    # token overlaps the device's next step.
+    # Up to n target-only steps after history[-1], cut after a stop token, or once until(out)
+    # is true for the tokens so far. As in generate.generate, step i+1 is launched before token
+    # i is read, so the host's look at each token overlaps the device's next step; when until
+    # fires, the token already in flight is kept and judged too.
     pos = torch.tensor([len(history) - 1], device=spec.target.freqs_cis.device)
     token = torch.tensor([history[-1:]], device=pos.device)  # [1, 1]
     nxt = spec.decode_fn(spec.target, token, pos, None, **sampling).clone()
     out: list[int] = []
-    for i in range(n):
-        token = nxt
-        if i + 1 < n:
-            pos += 1
-            nxt = spec.decode_fn(spec.target, token, pos, None, **sampling).clone()
-        out.append(int(token))
+
+    def take(t: Tensor) -> bool:  # True when t is a stop token
+        out.append(int(t))
         if on_token is not None:
             on_token(out[-1:])
-        if out[-1] in stop_ids:
+        return out[-1] in stop_ids
+
+    while len(out) < n:
+        token = nxt  # not read yet; its successor not launched yet
+        launched = len(out) + 1 < n
+        if launched:
+            pos += 1
+            nxt = spec.decode_fn(spec.target, token, pos, None, **sampling).clone()
+        if take(token) or not launched:
             break
+        if until is not None and until(out):
+            if take(nxt) or until(out) or len(out) >= n:
+                break
+            pos += 1  # the in-flight token broke the match: go on after it
+            nxt = spec.decode_fn(spec.target, nxt, pos, None, **sampling).clone()
     return out
 
 
@@ -410,8 +422,8 @@ def generate(
                 return True
         return False
 
-    def plain(n: int) -> bool:
-        got = plain_steps(spec, history, n, stop_ids, on_token, sampling)
+    def plain(n: int, until=None) -> bool:
+        got = plain_steps(spec, history, n, stop_ids, on_token, sampling, until)
         stats.plain_tokens += len(got)
         return keep(got, announce=False)
 
@@ -421,17 +433,19 @@ def generate(
     ngrams = NgramIndex(spec.ngram) if spec.ngram else None
     draft_valid = 0  # draft cache slots [0, draft_valid) hold the right keys and values
     window: deque = deque(maxlen=PROBE_STEPS)  # (tokens, seconds) of recent timed rounds
-    plain_left = 0
+    plain_left, spec.plain_pending = spec.plain_pending, 0  # a losing verdict outlives a call
     while not done:
         left = max_new_tokens - len(new)
         room = target.max_seq_len - (len(history) - 1)  # > left: checked above
         if plain_left or room <= k:
             # Adaptive fallback, or too near the cache's end for k+1 slots.
             n = min(plain_left or left, left)
-            t0 = time.perf_counter()
+            t0, count = time.perf_counter(), len(new)
             done = plain(n)
+            if done and plain_left > n:
+                spec.plain_pending = plain_left - n
             if plain_left and spec.bursts_seen:
-                rate = n / (time.perf_counter() - t0)
+                rate = (len(new) - count) / (time.perf_counter() - t0)
                 spec.plain_rate = rate if spec.plain_rate is None else (spec.plain_rate + rate) / 2
             spec.bursts_seen += plain_left > 0
             plain_left = 0
@@ -439,15 +453,17 @@ def generate(
         t0 = time.perf_counter()
         proposal = propose_ngram(ngrams, history, k) if ngrams else None
         if ngrams and proposal is None:
-            count = len(new)
-            done = plain(1)
-            made = len(new) - count
-        else:
-            tokens, n = speculate_round(spec, history, proposal, draft_valid, sampling)
-            stats.accepted[n] += 1
-            draft_valid = len(history) - 1 + n
-            made = len(tokens)
-            done = keep(tokens)
+            # No match: plain steps, pipelined, until the newest tokens have a match. Not timed:
+            # the verdict is about speculation.
+            done = plain(
+                left, until=lambda out: propose_ngram(ngrams, history + out, k) is not None
+            )
+            continue
+        tokens, n = speculate_round(spec, history, proposal, draft_valid, sampling)
+        stats.accepted[n] += 1
+        draft_valid = len(history) - 1 + n
+        made = len(tokens)
+        done = keep(tokens)
         spec.steps_seen += 1
         if spec.steps_seen > WARMUP_STEPS:
             window.append((made, time.perf_counter() - t0))

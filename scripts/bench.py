@@ -262,7 +262,14 @@ def speculative_rate(sp, prompt, new_tokens, samples, **sampling) -> dict:
 
 
 def bench_speculative(
-    name, device, dtype, spec_checkpoint, new_tokens=200, samples=3, temperatures=(0.8, 0.0)
+    name,
+    device,
+    dtype,
+    spec_checkpoint,
+    new_tokens=200,
+    samples=3,
+    temperatures=(0.8, 0.0),
+    spec_cases=("int4", "other", "ngram"),
 ) -> list:
     # 1. name in bf16 as target, its own int4 (same random weights) as draft;
     # 2. low acceptance: a draft with other random weights, and prompt lookup on random text
@@ -293,10 +300,12 @@ def bench_speculative(
     for temperature in temperatures:
         sampling = dict(temperature=temperature, top_k=200)
         base = plain_rate(target, prompt, new_tokens, **sampling)
-        cases = [("draft int4.g32, same weights", dict(mode="int4.g32", seed=0), None)]
-        cases += [("draft bf16, other weights", dict(mode="bf16", seed=1), None)]
-        cases += [("3-gram lookup, random text", None, 3)]
-        for label, draft_spec, ngram in cases:
+        cases = {
+            "int4": ("draft int4.g32, same weights", dict(mode="int4.g32", seed=0), None),
+            "other": ("draft bf16, other weights", dict(mode="bf16", seed=1), None),
+            "ngram": ("3-gram lookup, random text", None, 3),
+        }
+        for label, draft_spec, ngram in (cases[c] for c in spec_cases):
             draft = None
             if draft_spec is not None:
                 draft = random_model(name, device=device, dtype=dtype, **draft_spec)
@@ -523,6 +532,7 @@ def plot(results: list[dict], path: Path):
 def main(
     models, modes, device, out, plot_path, metrics, kernels_only, sweep, compile, precision,
     new_tokens, samples, kernels, speculative, spec_checkpoint, spec_temperatures,
+    spec_cases,
 ):  # fmt: skip
     try:
         dev = pick_device(device)
@@ -550,7 +560,12 @@ def main(
     elif speculative:
         temps = tuple(float(t) for t in spec_temperatures.split(","))
         report["speculative"] = bench_speculative(
-            names[0], dev, dtype, spec_checkpoint, temperatures=temps
+            names[0],
+            dev,
+            dtype,
+            spec_checkpoint,
+            temperatures=temps,
+            spec_cases=spec_cases.split(","),
         )
     else:
         report["results"] = []
@@ -635,6 +650,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--spec_temperatures",
         default="0.8,0",
         help="with --speculative: comma-separated sampling temperatures to measure",
+    )
+    p.add_argument(
+        "--spec_cases",
+        default="int4,other,ngram",
+        help="with --speculative: int4 (the model's own int4 as draft), other (a draft with "
+        "other random weights), ngram (prompt lookup on random text)",
     )
     p.add_argument(
         "--kernels",
