@@ -483,10 +483,10 @@ def gemv(
     args = (x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual)
     if expert_idx is not None:
         args += (expert_idx,)
+    if config is not None and triton is not None:  # explicit launch: also Triton's interpreter
+        return _gemv_launch(*args, config=config)
     if x.device.type != "cuda" or triton is None:
         return gemv_reference(*args)
-    if config is not None:
-        return _gemv_launch(*args, config=config)
     if expert_idx is not None:
         return torch.ops.fastgen.expert_gemv(*args)
     return torch.ops.fastgen.gemv(*args)
@@ -535,6 +535,8 @@ def _gemv_launch(
     if words:
         weight = weight.view(torch.int32)  # [N, K/4] for int8, [N, K/8] for int4
     experts = expert_idx is not None
+    # int4's scales are per group ([.., N, groups]); int8's and fp8's per row need no stride
+    stride_sn = scales.stride(-2) if scales is not None and scales.dim() > 1 else 0
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k, M if experts else 1)
     _gemv_kernel[grid](
         x2, weight,
@@ -543,7 +545,7 @@ def _gemv_launch(
         bias if bias is not None else y,
         norm_weight if norm_weight is not None else y,
         r2, y, expert_idx if experts else y, 1 if experts else M, N, K, eps,
-        x2.stride(0), weight.stride(-2), scales.stride(-2) if scales is not None else 0,
+        x2.stride(0), weight.stride(-2), stride_sn,
         r2.stride(0), y.stride(0),
         weight.stride(0) if experts else 0,
         scales.stride(0) if experts and scales is not None else 0,
