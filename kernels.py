@@ -487,8 +487,6 @@ def gemv(
         return _gemv_launch(*args, config=config)
     if x.device.type != "cuda" or triton is None:
         return gemv_reference(*args)
-    if expert_idx is not None:
-        return torch.ops.fastgen.expert_gemv(*args)
     return torch.ops.fastgen.gemv(*args)
 
 
@@ -571,40 +569,21 @@ if triton is not None:
         eps: float,
         glu: bool,
         residual: Tensor | None,
-    ) -> Tensor:
-        return _gemv_launch(
-            x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual
-        )
-
-    @_gemv_op.register_fake
-    def _gemv_fake(x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual):
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-    @torch.library.custom_op("fastgen::expert_gemv", mutates_args=())
-    def _expert_gemv_op(
-        x: Tensor,
-        weight: Tensor,
-        fmt: int,
-        scales: Tensor | None,
-        zeros: Tensor | None,
-        groupsize: int,
-        bias: Tensor | None,
-        norm_weight: Tensor | None,
-        eps: float,
-        glu: bool,
-        residual: Tensor | None,
-        expert_idx: Tensor,
+        expert_idx: Tensor | None = None,
     ) -> Tensor:
         return _gemv_launch(
             x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual,
             expert_idx,
         )  # fmt: skip
 
-    @_expert_gemv_op.register_fake
-    def _expert_gemv_fake(
-        x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual, expert_idx
-    ):
-        return x.new_empty(x.shape[0], weight.shape[-2])
+    @_gemv_op.register_fake
+    def _gemv_fake(
+        x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual,
+        expert_idx=None,
+    ):  # fmt: skip
+        if expert_idx is not None:
+            return x.new_empty(x.shape[0], weight.shape[-2])
+        return x.new_empty(*x.shape[:-1], weight.shape[-2])
 
 
 # ---------------------------------------------------------------------------------------------
