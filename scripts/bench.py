@@ -529,6 +529,30 @@ def plot(results: list[dict], path: Path):
     fig.savefig(path)
 
 
+METRICS = ("decode", "compile", "batch8", "context", "ttft", "profile")
+SPEC_CASES = ("int4", "other", "ngram")
+
+
+def check_arguments(modes, metrics, new_tokens, samples, spec_temperatures, spec_cases):
+    # Bad flags fail before minutes of model building, each with one line.
+    for mode in modes.split(","):
+        kind, _, group = mode.replace("-gptq", "").partition(".g")
+        if kind not in ("bf16", "int8", "int4", "fp8") or (kind == "int4") != group.isdigit():
+            raise UserError(f"unknown mode {mode!r} (bf16, int8, int4.gN, int4-gptq.gN, fp8)")
+    for metric in metrics.split(","):
+        if metric not in METRICS:
+            raise UserError(f"unknown metric {metric!r} (one of {', '.join(METRICS)})")
+    if new_tokens < 1 or samples < 1:
+        raise UserError(f"--new_tokens and --samples must be >= 1, got {new_tokens}, {samples}")
+    for case in spec_cases.split(","):
+        if case not in SPEC_CASES:
+            raise UserError(f"unknown --spec_cases entry {case!r} (one of {', '.join(SPEC_CASES)})")
+    try:
+        [float(t) for t in spec_temperatures.split(",")]
+    except ValueError:
+        raise UserError(f"--spec_temperatures takes numbers, got {spec_temperatures!r}") from None
+
+
 def main(
     models, modes, device, out, plot_path, metrics, kernels_only, sweep, compile, precision,
     new_tokens, samples, kernels, speculative, spec_checkpoint, spec_temperatures,
@@ -542,6 +566,7 @@ def main(
         names = models.split(",")
         for name in names:
             ModelArgs.from_name(name)
+        check_arguments(modes, metrics, new_tokens, samples, spec_temperatures, spec_cases)
     except (UserError, ConfigError) as e:
         sys.exit(f"error: {e}")
     report = dict(

@@ -60,3 +60,25 @@ def test_bench_runs_on_cpu_with_a_tiny_model(tmp_path):
     )
     assert proc.returncode != 0 and "closest: Llama-3.1-8B" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bench_checks_its_flags_first():
+    # Bad values fail at once with one line, before any model is built.
+    import bench
+
+    for bad in (
+        dict(modes="int5"),
+        dict(modes="int4"),
+        dict(metrics="decode,speed"),
+        dict(samples=0),
+        dict(spec_cases="int4,x"),
+        dict(spec_temperatures="hot"),
+    ):
+        args = dict(modes="bf16", metrics="decode", new_tokens=4, samples=1)
+        args.update(spec_temperatures="0.8", spec_cases="ngram")
+        args.update(bad)
+        with pytest.raises(bench.UserError):
+            bench.check_arguments(**args)
+    bench.check_arguments(
+        "bf16,int8,int4.g32,int4-gptq.g128,fp8", "decode,ttft", 1, 1, "0,0.8", "int4"
+    )
