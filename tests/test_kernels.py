@@ -145,6 +145,32 @@ def test_expert_gemv_reads_each_rows_expert(fmt, glu):
     torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
 
 
+@pytest.mark.parametrize("mode", ["float", "int8", "int4"])
+@torch.no_grad()
+def test_moe_decode_through_expert_gemv_equals_moe_py(mode):
+    # kernels.moe_experts (what use_kernels puts into MOEFeedForward) against moe.py's own
+    # gather, including another rank's expert ids (expert parallelism) that count as absent.
+    import moe
+    import quantize
+    from model import ModelArgs
+
+    torch.manual_seed(2)
+    cfg = ModelArgs(dim=64, intermediate_size=96, n_layer=1, n_head=4, vocab_size=64)
+    cfg.num_experts, cfg.num_activated_experts = 4, 2
+    ff = moe.MOEFeedForward(cfg).to(DEVICE)
+    for p in ff.parameters():
+        p.normal_(0, 0.1)
+    if mode != "float":
+        ff.w13 = quantize.quantize_linear(ff.w13, mode, 32 if mode == "int4" else None)
+        ff.w2 = quantize.quantize_linear(ff.w2, mode, 32 if mode == "int4" else None)
+    x = torch.randn(1, 64, device=DEVICE)
+    weights, idx = moe.route(ff.gate(x), 2)
+    for ids in (idx, torch.tensor([[idx[0, 0].item(), 7]], device=DEVICE)):
+        ref = moe.moe_experts(x, ff.w13, ff.w2, ids, weights)
+        got = kernels.moe_experts(x, ff.w13, ff.w2, ids, weights)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.skipif(not GPU, reason="default launch configurations are for CUDA")
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", sorted(FMTS))
