@@ -16,7 +16,7 @@ import torch
 
 import generate
 from generate import UserError, check_memory, kv_cache_bytes, memory_message, model_bytes
-from helpers import save_tiny_checkpoint, smollm2_gguf
+from helpers import TINY, save_tiny_checkpoint, smollm2_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = (
@@ -44,18 +44,12 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-HF_CONFIG = dict(
-    model_type="llama",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+# helpers.TINY, smaller: the converter's tests here only need the names and shapes right.
+HF_CONFIG = {
+    "model_type": "llama",
+    **TINY,
+    **dict(vocab_size=64, hidden_size=32, intermediate_size=48, max_position_embeddings=64),
+}
 
 
 def hf_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
