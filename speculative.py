@@ -423,9 +423,10 @@ def generate(
         return False
 
     def plain(n: int, until=None) -> bool:
-        got = plain_steps(spec, history, n, stop_ids, on_token, sampling, until)
+        # Each token is kept as it is read, so until() sees it in history already.
+        got = plain_steps(spec, history, n, stop_ids, keep, sampling, until)
         stats.plain_tokens += len(got)
-        return keep(got, announce=False)
+        return bool(new) and (new[-1] in stop_ids or len(new) >= max_new_tokens)
 
     input_pos = torch.arange(len(history), device=prompt.device)
     first = prefill(target, prompt, input_pos, None, from_zero=True, **sampling)
@@ -455,9 +456,7 @@ def generate(
         if ngrams and proposal is None:
             # No match: plain steps, pipelined, until the newest tokens have a match. Not timed:
             # the verdict is about speculation.
-            done = plain(
-                left, until=lambda out: propose_ngram(ngrams, history + out, k) is not None
-            )
+            done = plain(left, until=lambda out: propose_ngram(ngrams, history, k) is not None)
             continue
         tokens, n = speculate_round(spec, history, proposal, draft_valid, sampling)
         stats.accepted[n] += 1
