@@ -13,6 +13,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -107,11 +108,16 @@ def kv_bytes(model: Transformer, length: int, batch: int = 1) -> int:
     return 2 * c.n_layer * c.n_kv_heads * c.head_dim * length * batch * elt
 
 
-def decode_rate(model, device, steps, prompt_len, new_tokens, batch=1, start_pos=0, samples=5):
-    # Average tok/s of generate() over `samples` runs (all rows counted).
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 1000, (1, prompt_len), generator=g).repeat(batch, 1).to(device)
-    sampling = dict(temperature=0.8, top_k=200)
+def decode_rate(
+    model, device, steps, prompt, new_tokens, batch=1, start_pos=0, samples=5, temperature=0.8
+):
+    # Average tok/s of generate() over `samples` runs (all rows counted). prompt: a length (of
+    # random tokens) or the tokens [1, T].
+    if isinstance(prompt, int):
+        g = torch.Generator().manual_seed(1)
+        prompt = torch.randint(0, 1000, (1, prompt), generator=g)
+    prompt = prompt.repeat(batch, 1).to(device)
+    sampling = dict(temperature=temperature, top_k=200)
     rates = []
     for _ in range(samples):
         sync(device)
@@ -282,24 +288,17 @@ def bench_speculative(
     prompt = torch.randint(0, 1000, (1, 5), generator=torch.Generator().manual_seed(1))
     prompt = prompt.to(device)
 
-    def plain_rate(model, prompt, n, **sampling):
-        def run():
-            return generate(model, prompt, n, **sampling, **steps)
-
-        run()
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(samples):
-            run()
-        sync(device)
-        return samples * n / (time.perf_counter() - t0)
+    def plain_rate(model, prompt, n, temperature):  # after one warm-up run
+        rate = partial(decode_rate, model, device, steps, prompt, n, temperature=temperature)
+        rate(samples=1)
+        return rate(samples=samples)
 
     target = random_model(name, "bf16", device, dtype)
     max_len = 5 + new_tokens + 64
     target.setup_caches(1, max_len)
     for temperature in temperatures:
         sampling = dict(temperature=temperature, top_k=200)
-        base = plain_rate(target, prompt, new_tokens, **sampling)
+        base = plain_rate(target, prompt, new_tokens, temperature)
         cases = {
             "int4": ("draft int4.g32, same weights", dict(mode="int4.g32", seed=0), None),
             "other": ("draft bf16, other weights", dict(mode="bf16", seed=1), None),
@@ -336,7 +335,7 @@ def bench_speculative(
         model.setup_caches(1, len(ids) + n + 64)
         for temperature in temperatures:
             sampling = dict(temperature=temperature, top_k=200)
-            base = plain_rate(model, prompt, n, **sampling)
+            base = plain_rate(model, prompt, n, temperature)
             sp = speculative.setup(model, tok, None, 8, 3, device, len(ids) + n + 64, True)
             r = speculative_rate(sp, prompt, n, samples, **sampling)
             r.update(target=str(path), case="3-gram lookup, repeat-and-edit prompt",
@@ -486,8 +485,7 @@ def bench_kernels(models, device, bandwidth, sweep=False):
 
 def sweep_configs(fmt, N, K):
     # The launch parameters that matter most: rows per program, columns per step, warps; for
-    # the quantized formats also the element-wise path against the 32-bit-word one. The
-    # default configuration comes first.
+    # int8 also the element-wise path against the 32-bit-word one. The default comes first.
     import kernels
 
     default = kernels.gemv_config(fmt, 1, N, K)
@@ -497,7 +495,7 @@ def sweep_configs(fmt, N, K):
         grid = [(8, 1024, 4), (8, 2048, 4), (16, 2048, 4), (32, 512, 4), (32, 1024, 4)]
         grid += [(16, 1024, 8), (16, 2048, 8)]
     configs = [default]
-    if fmt in (kernels.INT8, kernels.INT4):
+    if fmt == kernels.INT8:  # one-row int4 has the word path only
         configs.append(dict(default, WORDS=False))
     for bn, bk, warps in grid:
         split = kernels.split_k(N, K, bn, bk)
