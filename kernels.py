@@ -332,16 +332,14 @@ if triton is not None:
                 k_lo, k_hi, G, NORM, GLU, BLOCK_N, BLOCK_K, WORDS,
             )  # fmt: skip
         elif FMT == 2:
-            # int4, stored format: byte j of a row holds k = 2j (low nibble) and 2j + 1 (high);
-            # w = (q - zero) * scale per group of G along k.
+            # int4 for several rows (one row always takes the word path), stored format: byte j
+            # of a row holds k = 2j (low nibble) and 2j + 1 (high); w = (q - zero) * scale per
+            # group of G along k.
             NG: tl.constexpr = BLOCK_K // G
             HG: tl.constexpr = G // 2
             rg = tl.arange(0, NG)
             rj = tl.arange(0, HG)
-            if BLOCK_M == 1:
-                acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
-            else:
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k in range(k_lo, k_hi, BLOCK_K):
                 g_ok = (k + rg * G) < k_hi  # [NG]
                 w_off = rn[:, None, None] * stride_wn + (k // 2 + rg * HG)[None, :, None] + rj
@@ -357,38 +355,25 @@ if triton is not None:
                 s = tl.load(s_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)  # [BN, NG]
                 z = tl.load(z_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)
                 k_even = (k + rg * G)[:, None] + 2 * rj[None, :]  # [NG, HG]
-                if BLOCK_M == 1:
-                    ok = g_ok[:, None]
-                    x_lo = _load_x(x_ptr, k_even, ok, k_even, nw_ptr, rstd, K, NORM, GLU)
-                    x_hi = _load_x(x_ptr, k_even + 1, ok, k_even + 1, nw_ptr, rstd, K, NORM, GLU)
-                    part = tl.sum(lo * x_lo[None] + hi * (x_hi * 0.0625)[None], axis=2)  # [BN, NG]
-                    xsum = tl.sum(x_lo, axis=1) + tl.sum(x_hi, axis=1)  # [NG]
-                    acc += s * (part - z * xsum[None, :])
-                else:
-                    xm_off = rm[:, None, None] * stride_xm + k_even[None]
-                    xm_ok = m_ok[:, None, None] & g_ok[None, :, None]
-                    r3 = rstd[:, None, None] if NORM else 1.0
-                    x_lo = _load_x(x_ptr, xm_off, xm_ok, k_even[None], nw_ptr, r3, K, NORM, GLU)
-                    x_hi = _load_x(
-                        x_ptr, xm_off + 1, xm_ok, k_even[None] + 1, nw_ptr, r3, K, NORM, GLU
-                    )
-                    dt = x_ptr.dtype.element_ty
-                    w_lo = ((lo - z[:, :, None]) * s[:, :, None]).to(dt)
-                    w_hi = ((hi * 0.0625 - z[:, :, None]) * s[:, :, None]).to(dt)
-                    acc += tl.dot(
-                        tl.reshape(x_lo.to(dt), [BLOCK_M, BLOCK_K // 2]),
-                        tl.trans(tl.reshape(w_lo, [BLOCK_N, BLOCK_K // 2])),
-                        input_precision=DOT_PRECISION,
-                    )
-                    acc += tl.dot(
-                        tl.reshape(x_hi.to(dt), [BLOCK_M, BLOCK_K // 2]),
-                        tl.trans(tl.reshape(w_hi, [BLOCK_N, BLOCK_K // 2])),
-                        input_precision=DOT_PRECISION,
-                    )
-            if BLOCK_M == 1:
-                out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
-            else:
-                out = acc
+                xm_off = rm[:, None, None] * stride_xm + k_even[None]
+                xm_ok = m_ok[:, None, None] & g_ok[None, :, None]
+                r3 = rstd[:, None, None] if NORM else 1.0
+                x_lo = _load_x(x_ptr, xm_off, xm_ok, k_even[None], nw_ptr, r3, K, NORM, GLU)
+                x_hi = _load_x(x_ptr, xm_off + 1, xm_ok, k_even[None] + 1, nw_ptr, r3, K, NORM, GLU)
+                dt = x_ptr.dtype.element_ty
+                w_lo = ((lo - z[:, :, None]) * s[:, :, None]).to(dt)
+                w_hi = ((hi * 0.0625 - z[:, :, None]) * s[:, :, None]).to(dt)
+                acc += tl.dot(
+                    tl.reshape(x_lo.to(dt), [BLOCK_M, BLOCK_K // 2]),
+                    tl.trans(tl.reshape(w_lo, [BLOCK_N, BLOCK_K // 2])),
+                    input_precision=DOT_PRECISION,
+                )
+                acc += tl.dot(
+                    tl.reshape(x_hi.to(dt), [BLOCK_M, BLOCK_K // 2]),
+                    tl.trans(tl.reshape(w_hi, [BLOCK_N, BLOCK_K // 2])),
+                    input_precision=DOT_PRECISION,
+                )
+            out = acc
         else:
             if BLOCK_M == 1:
                 acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -520,14 +505,14 @@ def _gemv_launch(
     if weight.dtype == torch.float8_e4m3fn:
         weight = weight.view(torch.uint8)
     words = cfg.pop("WORDS", None)
+    aligned = (
+        weight.shape[-1] % 4 == 0 and weight.stride(-1) == 1 and weight.storage_offset() % 4 == 0
+    )
     if words is None:  # one row and a word-aligned quantized weight: the 32-bit-word path
-        words = (
-            fmt in (INT8, INT4)
-            and cfg["BLOCK_M"] == 1
-            and weight.shape[-1] % 4 == 0
-            and weight.stride(-1) == 1
-            and weight.storage_offset() % 4 == 0
-        )
+        words = fmt in (INT8, INT4) and cfg["BLOCK_M"] == 1 and aligned
+    if fmt == INT4 and cfg["BLOCK_M"] == 1 and not (words and aligned):
+        # int4 rows of K/2 bytes, K a multiple of the group size (>= 32): always word-aligned
+        raise ValueError("one-row int4 gemv needs a word-aligned weight and the word path")
     # 1: the word path in plain Triton; 2: with its PTX, which the interpreter cannot run
     words = int(words) * (1 if os.environ.get("TRITON_INTERPRET") == "1" else 2)
     if words:

@@ -101,22 +101,31 @@ def test_gemv_prologue_and_epilogue(fmt, rows, fusion):
     torch.testing.assert_close(ref, expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("words", [True, False])
-def test_gemv_quantized_paths(fmt, words):
-    # The 32-bit-word path and the element-wise one, with odd row counts and a K that is not a
-    # multiple of 4 for int8 (words=None then picks the element-wise path by itself).
+@pytest.mark.parametrize("fmt, K, words", [
+    ("int8", 256, True), ("int8", 256, False), ("int8", 258, None), ("int4", 384, True),
+])  # fmt: skip
+def test_gemv_quantized_paths(fmt, K, words):
+    # One row: the 32-bit-word path and int8's element-wise one, odd row counts, and a K that
+    # is not a multiple of 4 for int8 (words=None then picks the element-wise path by itself).
     torch.manual_seed(11)
-    K = 384 if fmt == "int4" else 258
     w = make(FMTS[fmt], 45, K, groupsize=128 if fmt == "int4" else 32)
     x = torch.randn(1, K, device=DEVICE)
     ref = kernels.gemv_reference(x, fmt=FMTS[fmt], **w)
     cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=2)
-    if fmt == "int4" or not words:
+    if words is not None:
         cfg["WORDS"] = words
     poison()
     got = kernels.gemv(x, fmt=FMTS[fmt], config=cfg, **w)
     torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
+
+
+def test_one_row_int4_has_only_the_word_path():
+    w = make(kernels.INT4, 16, 256)
+    cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="word"):
+        kernels.gemv(
+            torch.randn(1, 256, device=DEVICE), fmt=kernels.INT4, config=dict(cfg, WORDS=False), **w
+        )
 
 
 @pytest.mark.parametrize("fmt", sorted(FMTS))
