@@ -236,7 +236,8 @@ def load_model(
     extra = sorted(set(state) - set(expected))
     if extra:
         raise CheckpointError(f"{checkpoint_path}: unexpected tensor {extra[0]}")
-    check_memory(device, model_bytes(model))  # before the first byte goes to the device
+    # Before the first byte goes to the device:
+    check_memory(device, weight_bytes(model, per_token=False))
     # One tensor at a time: cast floats to the model's dtype, move to the device, assign.
     converted = {}
     for name, want in expected.items():
@@ -267,23 +268,27 @@ def setup_for_device(model: Transformer, device, use_kernels: bool = True) -> Tr
     return model
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    # Bytes one decode step must read: every weight but the embedding table (a row lookup),
-    # counting a tied output head once, and of MoE expert stacks the share a token uses (k of E).
+def weight_bytes(model: torch.nn.Module, per_token: bool = True) -> int:
+    # per_token: bytes one decode step must read - every weight but the embedding table (a row
+    # lookup) unless it is also the output head, and of MoE expert stacks the share a token uses
+    # (k of E). Else: bytes the weights take. Each tensor counts once (a tied head is the table);
     # KV caches and rope tables are not weights.
-    seen, total = set(), 0
-    tied = getattr(model.config, "tie_embeddings", False)
     share = {}  # id(tensor) -> fraction read per token
-    for m in model.modules():
+    for m in model.modules() if per_token else ():
         if hasattr(m, "num_activated_experts"):
             for t in [*m.w13.parameters(), *m.w13.buffers(), *m.w2.parameters(), *m.w2.buffers()]:
                 share[id(t)] = m.num_activated_experts / model.config.num_experts
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    tensors = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    seen, total = set(), 0
+    for name, t in tensors:
         if id(t) in seen or "kv_cache" in name or name == "freqs_cis":
             continue
+        if per_token and name.startswith("tok_embeddings"):
+            continue  # not marked seen: output.weight may be this same tensor
         seen.add(id(t))
-        if name.startswith("tok_embeddings") and not tied:
-            continue
         total += round(t.numel() * t.element_size() * share.get(id(t), 1.0))
     return total
 
@@ -291,21 +296,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
 # ---------------------------------------------------------------------------------------------
 # Memory: estimate before allocating, and say what to change when it does not fit
 # ---------------------------------------------------------------------------------------------
-
-
-def model_bytes(model: torch.nn.Module) -> int:
-    # Bytes the weights take on their device (the model may still be on the meta device): every
-    # parameter and buffer but the KV caches and the rope table, a tied head counted once.
-    tied = getattr(model.config, "tie_embeddings", False)
-    seen, total = set(), 0
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if id(t) in seen or "kv_cache" in name or name == "freqs_cis":
-            continue
-        if tied and name == "output.weight":
-            continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
-    return total
 
 
 def kv_cache_bytes(model: Transformer, batch_size: int, max_seq_len: int) -> int:
@@ -350,7 +340,7 @@ def setup_caches(model: Transformer, batch_size: int, max_seq_len: int):
     # The KV cache is the allocation that grows with flags: check it against what is left.
     device = model.tok_embeddings.weight.device
     kv = kv_cache_bytes(model, batch_size, max_seq_len)
-    weights = model_bytes(model)
+    weights = weight_bytes(model, per_token=False)
     check_memory(device, weights, kv, loaded=True, batch_size=batch_size, seq_len=max_seq_len)
     model.setup_caches(batch_size, max_seq_len)
 

@@ -265,3 +265,16 @@ def test_no_recompiles_while_decoding():
         for n, temperature in ((3, 0.8), (30, 0), (100, 0.8), (250, 0)):
             out = generate(model, prompt(n), 40, temperature=temperature, top_k=50, **steps)
             assert len(out[0]) == 40
+
+
+def test_weight_bytes_counts_what_a_step_reads():
+    # The embedding table is a row lookup: a step reads it only as a tied output head.
+    from generate import weight_bytes
+
+    for tied in (False, True):
+        model = random_model(tie_word_embeddings=tied)
+        table = model.tok_embeddings.weight
+        every = sum(t.numel() * t.element_size() for t in {*model.parameters()})
+        assert weight_bytes(model, per_token=False) == every
+        read = every - (0 if tied else table.numel() * table.element_size())
+        assert weight_bytes(model) == read

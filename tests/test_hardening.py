@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import generate
-from generate import UserError, check_memory, kv_cache_bytes, memory_message, model_bytes
+from generate import UserError, check_memory, kv_cache_bytes, memory_message, weight_bytes
 from helpers import TINY, save_tiny_checkpoint, smollm2_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -369,8 +369,9 @@ def test_memory_estimates_equal_what_is_allocated(tiny):
         meta = Transformer(generate.read_config(tiny))
     model = generate.load_model(tiny, "cpu", torch.float32)
     loaded = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    assert model_bytes(meta) == model_bytes(model)
-    assert model_bytes(model) == sum(t.numel() * t.element_size() for t in loaded.values())
+    assert weight_bytes(meta, per_token=False) == weight_bytes(model, per_token=False)
+    total = sum(t.numel() * t.element_size() for t in loaded.values())
+    assert weight_bytes(model, per_token=False) == total
     generate.setup_caches(model, 3, 48)
     caches = [t for name, t in model.named_buffers() if "kv_cache" in name]
     assert kv_cache_bytes(model, 3, 48) == sum(t.numel() * t.element_size() for t in caches)
@@ -394,7 +395,8 @@ def test_out_of_memory_message_gives_needed_free_and_flags(tiny):
     model = generate.load_model(tiny, "cpu", torch.float32)
     kv = kv_cache_bytes(model, 1, 256)
     with pytest.raises(UserError, match="KV cache"):
-        check_memory("cpu", model_bytes(model), kv, loaded=True, free=kv // 2, seq_len=256)
+        weights = weight_bytes(model, per_token=False)
+        check_memory("cpu", weights, kv, loaded=True, free=kv // 2, seq_len=256)
 
 
 def test_out_of_memory_past_the_estimate_is_one_line(tiny, monkeypatch):
