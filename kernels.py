@@ -22,7 +22,7 @@ except ImportError:  # CPU-only installs: the references below still work
     triton = None
 
 FLOAT, INT8, INT4, FP8 = 0, 1, 2, 3
-MAX_GEMV_ROWS = 16  # above this many rows of x, cuBLAS matmuls win
+MAX_GEMV_ROWS = 16  # up to this many rows: GEMV launch shapes; above: GEMM tiles
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,7 +291,8 @@ if triton is not None:
     ):  # fmt: skip
         # y[m, n] = sum_k x'[m, k] * W[n, k] (+ bias[n]) (+ residual[m, n]), x' = prologue(x).
         # BLOCK_M == 1: elementwise products summed once at the end (no tensor cores needed);
-        # BLOCK_M >= 16: tl.dot on dequantized tiles, for batches of a few rows.
+        # BLOCK_M >= 16: tl.dot on dequantized tiles, for batches and prefill of quantized
+        # weights (each tile dequantized in registers, never the whole weight in memory).
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         if EXPERTS:  # program_id(2) picks a row of x and its expert's weights
@@ -304,7 +305,8 @@ if triton is not None:
             s_ptr += e * stride_se
             z_ptr += e * stride_se
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
+        # Without experts, program_id(2) picks a tile of BLOCK_M rows (prefill-sized inputs).
+        rm = (0 if EXPERTS else tl.program_id(2) * BLOCK_M) + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
         m_ok = rm < M
@@ -419,9 +421,13 @@ if triton is not None:
             tl.atomic_add(y_ptr + y_off, out, mask=y_ok, sem="relaxed")
 
 
-def gemv_config(fmt: int, M: int, N: int, K: int) -> dict:
+def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0) -> dict:
     # Launch parameters by shape, from the sweep in scripts/bench.py (--sweep) on an H200:
     # enough 16-byte loads in flight per SM and enough programs to cover its 132 SMs.
+    if M > MAX_GEMV_ROWS:  # prefill of a quantized weight: GEMM tiles, an int4 tile whole groups
+        block_k = max(64, groupsize) if fmt == INT4 else 64
+        return dict(BLOCK_M=64 if M > 32 else 32, BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=1,
+                    num_warps=4, num_stages=3)  # fmt: skip
     block_m = 1 if M == 1 else 16
     if fmt == INT8 and block_m == 1:  # the word path; from the sweep (76% on 22016x4096)
         cfg = dict(BLOCK_N=8, BLOCK_K=1024 if N > 3 * K else 2048, num_warps=4, num_stages=3)
@@ -461,8 +467,8 @@ def gemv(
     config: dict | None = None,
     expert_idx: Tensor | None = None,
 ) -> Tensor:
-    # y = prologue(x) @ W^T (+ bias) (+ residual), x [..., K] (or [..., 2K] with glu) with at
-    # most MAX_GEMV_ROWS rows -> y [..., N] in x's dtype. The prologue is RMSNorm with
+    # y = prologue(x) @ W^T (+ bias) (+ residual), x [..., K] (or [..., 2K] with glu), any
+    # number of rows -> y [..., N] in x's dtype. The prologue is RMSNorm with
     # norm_weight, or silu(x[..., :K]) * x[..., K:] with glu. expert_idx [M] (x [M, K]): W is a
     # stack [E, N, K] of experts' weights and row m uses expert expert_idx[m] (Mixtral decode).
     args = (x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual)
@@ -495,7 +501,7 @@ def _gemv_launch(
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M = x2.shape[0]
     # Experts: one program row per row of x, each a one-row GEMV against its own expert.
-    cfg = dict(config or gemv_config(fmt, 1 if expert_idx is not None else M, N, K))
+    cfg = dict(config or gemv_config(fmt, 1 if expert_idx is not None else M, N, K, groupsize))
     split_k = cfg["SPLIT_K"]
     if split_k > 1:
         y = torch.zeros(M, N, device=x.device, dtype=torch.float32)
@@ -520,7 +526,7 @@ def _gemv_launch(
     experts = expert_idx is not None
     # int4's scales are per group ([.., N, groups]); int8's and fp8's per row need no stride
     stride_sn = scales.stride(-2) if scales is not None and scales.dim() > 1 else 0
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k, M if experts else 1)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k, M if experts else triton.cdiv(M, cfg["BLOCK_M"]))
     _gemv_kernel[grid](
         x2, weight,
         scales if scales is not None else y,
@@ -744,9 +750,11 @@ class GemvLinear(nn.Module):
     def forward(self, x: Tensor, **fused) -> Tensor:
         # fused: gemv's prologue/epilogue arguments (norm_weight, eps, glu, residual)
         rows = x.numel() // x.shape[-1]
-        # A few rows of a bfloat16 weight go to cuBLAS: gemv's tensor-core path for them
+        # Several rows of a float weight go to cuBLAS: gemv's tensor-core path for them
         # measured slow on an H200 (Llama-3.1-8B, batch 8: 406 tok/s in all, 1.9x one row).
-        if rows == 1 or (rows <= MAX_GEMV_ROWS and self.fmt != FLOAT):
+        # Quantized weights always take gemv, prefill too: dequantizing the whole weight for
+        # cuBLAS on every call would cost more than the matmul for all but long prompts.
+        if rows == 1 or self.fmt != FLOAT:
             return gemv(
                 x, self.weight, self.fmt, self.scales, self.zeros, self.groupsize, self.bias,
                 **fused,

@@ -128,6 +128,36 @@ def decode_rate(
     return statistics.mean(rates)
 
 
+def profile_decode(model, device, steps, tokens: int) -> dict:
+    # Where a decode step's time goes: each kernel's time per token, their sum, and the span
+    # from the first kernel to the last over all tokens (sum < span: gaps between kernels).
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        decode_rate(model, device, steps, 5, tokens, samples=1)
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [e for e in prof.events() if e.device_type == cuda]
+    per_name = {}
+    for e in kernels:
+        n, t = per_name.get(e.name, (0, 0.0))
+        per_name[e.name] = (n + 1, t + e.time_range.elapsed_us())
+    start = min(e.time_range.start for e in kernels)
+    end = max(e.time_range.end for e in kernels)
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:25]
+    res = dict(
+        kernel_us_per_token=sum(t for _, t in per_name.values()) / tokens,
+        span_us_per_token=(end - start) / tokens,
+        kernels_per_token=len(kernels) / tokens,
+        top=[dict(name=k[:120], per_token=n / tokens, us_per_token=t / tokens)
+             for k, (n, t) in top],  # fmt: skip
+    )
+    log(
+        f"  profile: {res['kernels_per_token']:.0f} kernels, {res['kernel_us_per_token']:.0f} us "
+        f"of kernels in a {res['span_us_per_token']:.0f} us span per token"
+    )
+    for t in res["top"]:
+        log(f"    {t['us_per_token']:8.1f} us  x{t['per_token']:5.1f}  {t['name']}")
+    return res
+
+
 def fill_caches(model):
     # Decoding at a long context reads the cache; random contents, never zeros.
     with torch.no_grad():
@@ -175,11 +205,7 @@ def bench_model(
     )
 
     if "profile" in metrics and device.type == "cuda":
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            decode_rate(model, device, steps, 5, 50, samples=1)
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
-        res["profile"] = table
-        log(table)
+        res["profile"] = profile_decode(model, device, steps, 50)
 
     if "batch8" in metrics:
         model.setup_caches(8, 256)
@@ -483,6 +509,50 @@ def bench_kernels(models, device, bandwidth, sweep=False):
     return results
 
 
+def bench_prefill(models, device, rows_list, peak_tflops=None) -> list:
+    # Quantized weights against many rows (prefill): gemv's GEMM tiles, which dequantize each
+    # tile in registers, against dequantizing the whole weight for a cuBLAS matmul, per layer.
+    import kernels
+    import quantize
+
+    plain = {kernels.INT8: quantize.int8_linear, kernels.FP8: quantize.fp8_linear}
+    results = []
+    for name in models:
+        for layer, (N, K) in gemv_shapes(ModelArgs.from_name(name)).items():
+            if layer not in SWEEP_LAYERS:
+                continue
+            for mode, fmt in (("int8", kernels.INT8), ("int4.g32", kernels.INT4),
+                              ("int4.g128", kernels.INT4), ("fp8", kernels.FP8)):  # fmt: skip
+                g = int(mode.partition(".g")[2] or 32)
+                if fmt == kernels.INT4 and K % g:
+                    continue
+                w = make_weight(fmt, N, K, device, g)
+                if fmt == kernels.INT4:
+                    args = (w["weight"], w["scales"], w["zeros"], w["groupsize"])
+                    dense = partial(quantize.int4_linear, weight=args[0], scales=args[1],
+                                    zeros=args[2], groupsize=args[3])  # fmt: skip
+                else:
+                    dense = partial(plain[fmt], weight=w["weight"], scales=w["scales"])
+                for rows in rows_list:
+                    x = torch.randn(rows, K, device=device, dtype=torch.bfloat16)
+                    ref = kernels.gemv_reference(x, fmt=fmt, **w).float()
+                    got = kernels.gemv(x, fmt=fmt, **w).float()
+                    err = ((got - ref).abs().max() / ref.abs().max()).item()
+                    t_tiles = timed(lambda: kernels.gemv(x, fmt=fmt, **w), device)
+                    t_dense = timed(lambda: dense(x), device)
+                    flops = 2 * rows * N * K
+                    r = dict(model=name, layer=layer, mode=mode, N=N, K=K, rows=rows,
+                             tiles_us=t_tiles * 1e6, dequant_cublas_us=t_dense * 1e6,
+                             tiles_tflops=flops / t_tiles / 1e12, rel_err=err)  # fmt: skip
+                    results.append(r)
+                    log(
+                        f"prefill {name} {layer} [{N}x{K}] {mode} rows {rows}: tiles "
+                        f"{r['tiles_us']:.0f} us ({r['tiles_tflops']:.0f} TFLOP/s), dequantize + "
+                        f"cuBLAS {r['dequant_cublas_us']:.0f} us, err {err:.1e}"
+                    )
+    return results
+
+
 def sweep_configs(fmt, N, K):
     # The launch parameters that matter most: rows per program, columns per step, warps; for
     # int8 also the element-wise path against the 32-bit-word one. The default comes first.
@@ -531,7 +601,9 @@ METRICS = ("decode", "compile", "batch8", "context", "ttft", "profile")
 SPEC_CASES = ("int4", "other", "ngram")
 
 
-def check_arguments(modes, metrics, new_tokens, samples, spec_temperatures, spec_cases):
+def check_arguments(
+    modes, metrics, new_tokens, samples, spec_temperatures, spec_cases, prefill_rows=None
+):  # fmt: skip
     # Bad flags fail before minutes of model building, each with one line.
     for mode in modes.split(","):
         kind, _, group = mode.replace("-gptq", "").partition(".g")
@@ -549,12 +621,16 @@ def check_arguments(modes, metrics, new_tokens, samples, spec_temperatures, spec
         [float(t) for t in spec_temperatures.split(",")]
     except ValueError:
         raise UserError(f"--spec_temperatures takes numbers, got {spec_temperatures!r}") from None
+    if prefill_rows is not None:
+        rows = prefill_rows.split(",")
+        if not all(r.isdigit() and int(r) > 0 for r in rows):
+            raise UserError(f"--prefill_rows takes positive row counts, got {prefill_rows!r}")
 
 
 def main(
     models, modes, device, out, plot_path, metrics, kernels_only, sweep, compile, precision,
     new_tokens, samples, kernels, speculative, spec_checkpoint, spec_temperatures,
-    spec_cases,
+    spec_cases, prefill_rows=None,
 ):  # fmt: skip
     try:
         dev = pick_device(device)
@@ -564,7 +640,9 @@ def main(
         names = models.split(",")
         for name in names:
             ModelArgs.from_name(name)
-        check_arguments(modes, metrics, new_tokens, samples, spec_temperatures, spec_cases)
+        check_arguments(
+            modes, metrics, new_tokens, samples, spec_temperatures, spec_cases, prefill_rows
+        )  # fmt: skip
     except (UserError, ConfigError) as e:
         sys.exit(f"error: {e}")
     report = dict(
@@ -580,6 +658,9 @@ def main(
         log(f"measured bf16 matmul {peak:.0f} TFLOP/s")
     if kernels_only or sweep:
         report["kernels"] = bench_kernels(names, dev, report["read_gb_s"] * 1e9, sweep)
+        if prefill_rows:
+            rows = [int(r) for r in prefill_rows.split(",")]
+            report["prefill"] = bench_prefill(names, dev, rows, peak)
     elif speculative:
         temps = tuple(float(t) for t in spec_temperatures.split(","))
         report["speculative"] = bench_speculative(
@@ -646,6 +727,12 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="with --kernels_only: try many launch configurations, report the best",
+    )
+    p.add_argument(
+        "--prefill_rows",
+        default=None,
+        help="with --kernels_only: also time quantized weights against these comma-separated "
+        "row counts (gemv's GEMM tiles vs dequantize + cuBLAS)",
     )
     p.add_argument(
         "--compile",

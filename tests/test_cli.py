@@ -73,6 +73,8 @@ def test_bench_checks_its_flags_first():
         dict(samples=0),
         dict(spec_cases="int4,x"),
         dict(spec_temperatures="hot"),
+        dict(prefill_rows="17,x"),
+        dict(prefill_rows="0"),
     ):
         args = dict(modes="bf16", metrics="decode", new_tokens=4, samples=1)
         args.update(spec_temperatures="0.8", spec_cases="ngram")
@@ -80,5 +82,5 @@ def test_bench_checks_its_flags_first():
         with pytest.raises(bench.UserError):
             bench.check_arguments(**args)
     bench.check_arguments(
-        "bf16,int8,int4.g32,int4-gptq.g128,fp8", "decode,ttft", 1, 1, "0,0.8", "int4"
+        "bf16,int8,int4.g32,int4-gptq.g128,fp8", "decode,ttft", 1, 1, "0,0.8", "int4", "17,2048"
     )

@@ -119,6 +119,29 @@ def test_gemv_quantized_paths(fmt, K, words):
     torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
 
 
+@pytest.mark.parametrize("fmt", sorted(FMTS))
+@pytest.mark.parametrize("fusion", [None, "norm", "glu"])
+def test_gemm_tiles_cover_every_row(fmt, fusion):
+    # Prefill of a quantized weight: row tiles of BLOCK_M, the last one partial (40 = 16+16+8),
+    # each tile dequantized in registers; the fused prologues work per row.
+    torch.manual_seed(3)
+    N, K, rows = 37, 256, 40
+    w = make(FMTS[fmt], N, K, groupsize=64)
+    x = torch.randn(rows, 2 * K if fusion == "glu" else K, device=DEVICE)
+    fused = dict(residual=torch.randn(rows, N, device=DEVICE))
+    if fusion == "norm":
+        fused.update(norm_weight=torch.rand(K, device=DEVICE) + 0.5)
+    elif fusion == "glu":
+        fused.update(glu=True)
+    ref = kernels.gemv_reference(x, fmt=FMTS[fmt], **w, **fused)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=2)
+    poison()
+    got = kernels.gemv(x, fmt=FMTS[fmt], config=cfg, **w, **fused)
+    tol = 2e-3 if GPU else 1e-4
+    torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+    assert kernels.gemv_config(FMTS[fmt], 2048, N, K, 256)["BLOCK_K"] % (256 if fmt == "int4" else 1) == 0
+
+
 def test_one_row_int4_has_only_the_word_path():
     w = make(kernels.INT4, 16, 256)
     cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, SPLIT_K=1, num_warps=4, num_stages=2)
