@@ -526,7 +526,8 @@ def _gemv_launch(
     experts = expert_idx is not None
     # int4's scales are per group ([.., N, groups]); int8's and fp8's per row need no stride
     stride_sn = scales.stride(-2) if scales is not None and scales.dim() > 1 else 0
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k, M if experts else triton.cdiv(M, cfg["BLOCK_M"]))
+    tiles = M if experts else triton.cdiv(M, cfg["BLOCK_M"])
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k, tiles)
     _gemv_kernel[grid](
         x2, weight,
         scales if scales is not None else y,

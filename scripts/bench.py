@@ -146,8 +146,9 @@ def profile_decode(model, device, steps, tokens: int) -> dict:
         kernel_us_per_token=sum(t for _, t in per_name.values()) / tokens,
         span_us_per_token=(end - start) / tokens,
         kernels_per_token=len(kernels) / tokens,
-        top=[dict(name=k[:120], per_token=n / tokens, us_per_token=t / tokens)
-             for k, (n, t) in top],  # fmt: skip
+        top=[
+            dict(name=k[:120], per_token=n / tokens, us_per_token=t / tokens) for k, (n, t) in top
+        ],  # fmt: skip
     )
     log(
         f"  profile: {res['kernels_per_token']:.0f} kernels, {res['kernel_us_per_token']:.0f} us "
@@ -538,8 +539,8 @@ def bench_prefill(models, device, rows_list, peak_tflops=None) -> list:
                     ref = kernels.gemv_reference(x, fmt=fmt, **w).float()
                     got = kernels.gemv(x, fmt=fmt, **w).float()
                     err = ((got - ref).abs().max() / ref.abs().max()).item()
-                    t_tiles = timed(lambda: kernels.gemv(x, fmt=fmt, **w), device)
-                    t_dense = timed(lambda: dense(x), device)
+                    t_tiles = timed(partial(kernels.gemv, x, fmt=fmt, **w), device)
+                    t_dense = timed(partial(dense, x), device)
                     flops = 2 * rows * N * K
                     r = dict(model=name, layer=layer, mode=mode, N=N, K=K, rows=rows,
                              tiles_us=t_tiles * 1e6, dequant_cublas_us=t_dense * 1e6,
