@@ -333,8 +333,32 @@ if triton is not None:
                 x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rstd, K, stride_wn, stride_sn, rn, n_ok,
                 k_lo, k_hi, G, NORM, GLU, BLOCK_N, BLOCK_K, WORDS,
             )  # fmt: skip
+        elif FMT == 2 and BLOCK_K == G:
+            # int4, many rows (prefill), one group per step: its scale and offset are [BLOCK_N]
+            # vectors and every tile stays 2D. Byte j of a row holds k = 2j (low nibble) and
+            # 2j + 1 (high): the even and odd columns of x make two dots.
+            HK: tl.constexpr = BLOCK_K // 2
+            rj = tl.arange(0, HK)
+            dt = x_ptr.dtype.element_ty
+            r2 = rstd[:, None] if NORM else 1.0
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k in range(k_lo, k_hi, BLOCK_K):  # K is a whole number of groups
+                w_off = rn[:, None] * stride_wn + (k // 2 + rj)[None, :]
+                p = tl.load(w_ptr + w_off, mask=n_ok[:, None], other=0).to(tl.int32)  # [BN, HK]
+                s = tl.load(s_ptr + rn * stride_sn + k // G, mask=n_ok, other=0).to(tl.float32)
+                z = tl.load(z_ptr + rn * stride_sn + k // G, mask=n_ok, other=0).to(tl.float32)
+                w_lo = (((p & 15).to(tl.float32) - z[:, None]) * s[:, None]).to(dt)
+                w_hi = (((p >> 4).to(tl.float32) - z[:, None]) * s[:, None]).to(dt)
+                k_even = (k + 2 * rj)[None, :]  # [1, HK]
+                x_off = rm[:, None] * stride_xm + k_even
+                x_ok = m_ok[:, None]
+                x_lo = _load_x(x_ptr, x_off, x_ok, k_even, nw_ptr, r2, K, NORM, GLU)
+                x_hi = _load_x(x_ptr, x_off + 1, x_ok, k_even + 1, nw_ptr, r2, K, NORM, GLU)
+                acc += tl.dot(x_lo.to(dt), tl.trans(w_lo), input_precision=DOT_PRECISION)
+                acc += tl.dot(x_hi.to(dt), tl.trans(w_hi), input_precision=DOT_PRECISION)
+            out = acc
         elif FMT == 2:
-            # int4 for several rows (one row always takes the word path), stored format: byte j
+            # int4 for a few rows (one row always takes the word path), stored format: byte j
             # of a row holds k = 2j (low nibble) and 2j + 1 (high); w = (q - zero) * scale per
             # group of G along k.
             NG: tl.constexpr = BLOCK_K // G
@@ -424,9 +448,14 @@ if triton is not None:
 def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0) -> dict:
     # Launch parameters by shape, from the sweep in scripts/bench.py (--sweep) on an H200:
     # enough 16-byte loads in flight per SM and enough programs to cover its 132 SMs.
-    if M > MAX_GEMV_ROWS:  # prefill of a quantized weight: GEMM tiles, an int4 tile whole groups
-        block_k = max(64, groupsize) if fmt == INT4 else 64
-        return dict(BLOCK_M=64 if M > 32 else 32, BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=1,
+    if M > MAX_GEMV_ROWS:  # prefill of a quantized weight: GEMM tiles, an int4 one per group
+        block_m = 64 if M > 32 else 32
+        block_k = groupsize if fmt == INT4 else 64
+        # Split K while the tiles alone leave SMs idle (a short prompt on a square weight).
+        tiles, split = triton.cdiv(N, 64) * triton.cdiv(M, block_m), 1
+        while tiles * split < 132 and K // (split * 2) >= 8 * block_k:
+            split *= 2
+        return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=split,
                     num_warps=4, num_stages=3)  # fmt: skip
     block_m = 1 if M == 1 else 16
     if fmt == INT8 and block_m == 1:  # the word path; from the sweep (76% on 22016x4096)

@@ -62,10 +62,10 @@ from tokenizer import Tokenizer, TokenizerError, get_tokenizer
 
 # Must encode alike with both tokenizers: letters, digits, spaces, accents, CJK, markup, a special.
 PROBE_TEXT = "Draft and target: 3 tokens, 1 check.  naïve café, 東京 <b>x</b>\n\t<|im_end|> end"
-PROBE_STEPS = 4  # timed speculative steps in a verdict
+PROBE_STEPS = 2  # timed speculative steps in a verdict: a losing probe costs little
 MEASURE_TOKENS = 8  # plain steps that measure plain decoding's rate
-FIRST_FALLBACK = 16  # plain tokens after speculation first loses
-MAX_FALLBACK = 512
+FIRST_FALLBACK = 64  # plain tokens after speculation first loses
+MAX_FALLBACK = 1024
 WARMUP_STEPS = 3  # the first steps compile and capture CUDA graphs: never timed
 
 
@@ -405,7 +405,8 @@ def generate(
             f"prompt ({prompt.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the KV cache "
             f"({target.max_seq_len})"
         )
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    # floats always: an int 0 and a float 0.8 would be two compiled graphs
+    sampling = dict(temperature=float(temperature), top_k=top_k, top_p=float(top_p))
     stats = spec.stats = SpecStats(k=k, accepted=[0] * (k + 1))
     start = time.perf_counter()
     history = prompt[0].tolist()  # history[i] sits, or will sit, in cache slot i
