@@ -23,6 +23,10 @@ except ImportError:  # CPU-only installs: the references below still work
 
 FLOAT, INT8, INT4, FP8 = 0, 1, 2, 3
 MAX_GEMV_ROWS = 16  # up to this many rows: GEMV launch shapes; above: GEMM tiles
+# Quantized inputs of up to this many rows run on gemv's tiles; longer prompts dequantize each
+# weight for a cuBLAS matmul, which then costs little next to the matmul itself (H200, Llama-2-7B
+# w13 int8, 128 rows: tiles 250 us vs 322; 2048 rows: 1695 us vs 850; bench.py --prefill_rows).
+TILE_ROWS = 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,8 +339,8 @@ if triton is not None:
             )  # fmt: skip
         elif FMT == 2 and BLOCK_K == G:
             # int4, many rows (prefill), one group per step: its scale and offset are [BLOCK_N]
-            # vectors and every tile stays 2D. Byte j of a row holds k = 2j (low nibble) and
-            # 2j + 1 (high): the even and odd columns of x make two dots.
+            # vectors. Byte j of a row holds k = 2j (low nibble) and 2j + 1 (high): joined
+            # back into column order, the tile meets x's contiguous (vector-loaded) columns.
             HK: tl.constexpr = BLOCK_K // 2
             rj = tl.arange(0, HK)
             dt = x_ptr.dtype.element_ty
@@ -347,15 +351,12 @@ if triton is not None:
                 p = tl.load(w_ptr + w_off, mask=n_ok[:, None], other=0).to(tl.int32)  # [BN, HK]
                 s = tl.load(s_ptr + rn * stride_sn + k // G, mask=n_ok, other=0).to(tl.float32)
                 z = tl.load(z_ptr + rn * stride_sn + k // G, mask=n_ok, other=0).to(tl.float32)
-                w_lo = (((p & 15).to(tl.float32) - z[:, None]) * s[:, None]).to(dt)
-                w_hi = (((p >> 4).to(tl.float32) - z[:, None]) * s[:, None]).to(dt)
-                k_even = (k + 2 * rj)[None, :]  # [1, HK]
-                x_off = rm[:, None] * stride_xm + k_even
-                x_ok = m_ok[:, None]
-                x_lo = _load_x(x_ptr, x_off, x_ok, k_even, nw_ptr, r2, K, NORM, GLU)
-                x_hi = _load_x(x_ptr, x_off + 1, x_ok, k_even + 1, nw_ptr, r2, K, NORM, GLU)
-                acc += tl.dot(x_lo.to(dt), tl.trans(w_lo), input_precision=DOT_PRECISION)
-                acc += tl.dot(x_hi.to(dt), tl.trans(w_hi), input_precision=DOT_PRECISION)
+                q = tl.reshape(tl.join(p & 15, p >> 4), [BLOCK_N, BLOCK_K])  # [BN, BK]
+                w = ((q.to(tl.float32) - z[:, None]) * s[:, None]).to(dt)
+                kk = (k + rk)[None, :]
+                x_off = rm[:, None] * stride_xm + kk
+                x = _load_x(x_ptr, x_off, m_ok[:, None], kk, nw_ptr, r2, K, NORM, GLU)
+                acc += tl.dot(x.to(dt), tl.trans(w), input_precision=DOT_PRECISION)
             out = acc
         elif FMT == 2:
             # int4 for a few rows (one row always takes the word path), stored format: byte j
@@ -614,43 +615,84 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
+    def _rope_pairs(x_ptr, off, mask, f_ptr, ri):
+        # Rotary embedding of interleaved pairs (x[2i], x[2i+1]) by the angle whose (cos, sin)
+        # sit at f_ptr[2i], f_ptr[2i+1]; off [.., D/2] points at the even elements. -> the
+        # rotated values, pairs joined back in order [.., D/2, 2], float32.
+        x_e = tl.load(x_ptr + off, mask=mask, other=0).to(tl.float32)
+        x_o = tl.load(x_ptr + off + 1, mask=mask, other=0).to(tl.float32)
+        cos = tl.load(f_ptr + 2 * ri).to(tl.float32)
+        sin = tl.load(f_ptr + 2 * ri + 1).to(tl.float32)
+        return tl.join(x_e * cos - x_o * sin, x_o * cos + x_e * sin)
+
+    @triton.jit
     def _attn_split_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, sm_scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
-        out_ptr, H_KV, N_SPLIT,
+        out_ptr, H_KV, N_SPLIT, f_ptr, stride_fb,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
         CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, DIRECT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, QKV: tl.constexpr,
     ):  # fmt: skip
+        # QKV: q_ptr is the new token's fused projection [B, (H + 2 H_KV) * D] before rotary
+        # embedding. The kernel rotates q and the new key, writes key and value to the cache
+        # slot input_pos, and attends to that slot from registers (the split holding it).
+        # Otherwise q [B, H, 1, D] is rotated already and the cache holds the new token.
         pid = tl.program_id(0)  # over batch x kv heads
         split = tl.program_id(1)
         b = pid // H_KV
         hk = pid % H_KV
-        length = tl.load(pos_ptr) + 1  # slots 0..input_pos are filled
+        pos = tl.load(pos_ptr)
+        length = pos + 1  # slots 0..input_pos are filled
         start = split * CHUNK
         end = tl.minimum(start + CHUNK, length)
         rg = tl.arange(0, GROUP_PAD)
         rd = tl.arange(0, D)
         g_ok = rg < GROUP
-        q_off = b * stride_qb + (hk * GROUP + rg)[:, None] * stride_qh + rd[None, :]
-        q = tl.load(q_ptr + q_off, mask=g_ok[:, None], other=0)  # [GP, D]
+        dt = k_ptr.dtype.element_ty
+        kv_base = b * stride_kb + hk * stride_kh
+        if QKV:
+            ri = tl.arange(0, D // 2)
+            f_ptr += b * stride_fb
+            q_row = q_ptr + b * stride_qb
+            q_off = (hk * GROUP + rg)[:, None] * D + 2 * ri[None, :]  # [GP, D/2]
+            q = tl.reshape(_rope_pairs(q_row, q_off, g_ok[:, None], f_ptr, ri), [GROUP_PAD, D])
+            q = q.to(dt)  # rounded as the unfused path stores it
+            # the new key and value: rotated, written to the cache, kept for its own slot
+            k_new = tl.reshape(_rope_pairs(q_row, (H_KV * GROUP + hk) * D + 2 * ri, ri < D // 2,
+                                           f_ptr, ri), [D]).to(dt)  # fmt: skip
+            v_new = tl.load(q_row + (H_KV * (GROUP + 1) + hk) * D + rd)
+            cache_end = tl.minimum(end, pos)  # slot pos still holds a stale key: skip it
+        else:
+            q_off = b * stride_qb + (hk * GROUP + rg)[:, None] * stride_qh + rd[None, :]
+            q = tl.load(q_ptr + q_off, mask=g_ok[:, None], other=0)  # [GP, D]
+            cache_end = end
         m = tl.full([GROUP_PAD], -float("inf"), dtype=tl.float32)
         l_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
-        kv_base = b * stride_kb + hk * stride_kh
-        for s0 in range(start, end, BLOCK_S):
+        for s0 in range(start, cache_end, BLOCK_S):
             rs = s0 + tl.arange(0, BLOCK_S)
-            s_ok = rs < end
+            s_ok = rs < cache_end
             kv_off = kv_base + rs[:, None] * stride_ks + rd[None, :]
             k = tl.load(k_ptr + kv_off, mask=s_ok[:, None], other=0)  # [BS, D]
             v = tl.load(v_ptr + kv_off, mask=s_ok[:, None], other=0)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # [GP, BS]
-            scores = tl.where(s_ok[None, :], scores, -float("inf"))
+            scores = tl.where(s_ok[None, :], scores, -float("inf"))  # [GP, BS]
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
+        if QKV and (start <= pos) & (pos < end):  # this split holds the new token's slot
+            tl.store(k_ptr + kv_base + pos * stride_ks + rd, k_new)
+            tl.store(v_ptr + kv_base + pos * stride_ks + rd, v_new)
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * sm_scale
+            m_new = tl.maximum(m, s_new)  # [GP]
+            alpha = tl.exp(m - m_new)
+            p_new = tl.exp(s_new - m_new)
+            l_sum = l_sum * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
             m = m_new
         if DIRECT:  # one split covers the cache: normalise and write the output [B, H, D]
             o_off = (pid * GROUP + rg)[:, None] * D + rd[None, :]
@@ -693,10 +735,19 @@ def attention_chunk(max_seq_len: int) -> int:
 
 
 def _decode_attention_launch(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    input_pos: Tensor,
+    freqs_cis: Tensor | None = None,
+    n_head: int = 0,
 ) -> Tensor:
-    B, H, _, D = q.shape
-    H_kv, S = k_cache.shape[1], k_cache.shape[2]
+    # q [B, H, 1, D] rotated, the cache written -> [B, H, 1, D]. With freqs_cis [B|1, 1, D/2, 2]:
+    # q is the fused projection [B, 1, (n_head + 2 H_kv) * D] as wqkv gives it, rotated and
+    # written to the cache here -> [B, 1, n_head * D], as Attention.attend_qkv returns.
+    qkv = freqs_cis is not None
+    H_kv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    B, H = q.shape[0], n_head if qkv else q.shape[1]
     group = H // H_kv
     group_pad = max(16, triton.next_power_of_2(group))
     chunk = attention_chunk(S)
@@ -707,21 +758,22 @@ def _decode_attention_launch(
     ml = torch.empty(*shape, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(B, H, 1, D, device=q.device, dtype=q.dtype)
     q = q.contiguous()
+    f = freqs_cis.contiguous() if qkv else out
     _attn_split_kernel[(B * H_kv, n_split)](
         q, k_cache, v_cache, input_pos, acc, ml, D**-0.5,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out, H_kv, n_split,
+        q.stride(0), 0 if qkv else q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out, H_kv, n_split, f, f.stride(0) if qkv and f.shape[0] > 1 else 0,
         GROUP=group, GROUP_PAD=group_pad, D=D, CHUNK=chunk, BLOCK_S=min(64, chunk),
-        DIRECT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DIRECT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QKV=qkv,
         num_warps=4, num_stages=2,
     )  # fmt: skip
-    if direct:
-        return out
-    _attn_combine_kernel[(B * H,)](
-        acc, ml, out, n_split,
-        GROUP=group, GROUP_PAD=group_pad, D=D, SPLIT_PAD=triton.next_power_of_2(n_split),
-    )  # fmt: skip
-    return out
+    if not direct:
+        _attn_combine_kernel[(B * H,)](
+            acc, ml, out, n_split,
+            GROUP=group, GROUP_PAD=group_pad, D=D, SPLIT_PAD=triton.next_power_of_2(n_split),
+        )  # fmt: skip
+    return out.view(B, 1, H * D) if qkv else out
 
 
 if triton is not None:
@@ -735,6 +787,24 @@ if triton is not None:
     @_decode_attention_op.register_fake
     def _decode_attention_fake(q, k_cache, v_cache, input_pos):
         return torch.empty_like(q)
+
+
+if triton is not None:
+
+    @torch.library.custom_op("fastgen::decode_attention_qkv", mutates_args=("k_cache", "v_cache"))
+    def _decode_attention_qkv_op(
+        qkv: Tensor,
+        freqs_cis: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        input_pos: Tensor,
+        n_head: int,
+    ) -> Tensor:
+        return _decode_attention_launch(qkv, k_cache, v_cache, input_pos, freqs_cis, n_head)
+
+    @_decode_attention_qkv_op.register_fake
+    def _decode_attention_qkv_fake(qkv, freqs_cis, k_cache, v_cache, input_pos, n_head):
+        return qkv.new_empty(qkv.shape[0], 1, n_head * k_cache.shape[-1])
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor) -> Tensor:
@@ -765,7 +835,7 @@ class GemvLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.fmt, self.groupsize = fmt, groupsize
-        self.linear = linear  # the fallback for prefill-sized inputs, sharing every tensor
+        self.linear = linear  # for inputs gemv does not take (see forward), sharing every tensor
         for name in ("weight", "scales", "zeros", "bias"):
             t = getattr(linear, name, None)
             # One owner per tensor, so that state_dict() names stay those of the model.
@@ -782,9 +852,8 @@ class GemvLinear(nn.Module):
         rows = x.numel() // x.shape[-1]
         # Several rows of a float weight go to cuBLAS: gemv's tensor-core path for them
         # measured slow on an H200 (Llama-3.1-8B, batch 8: 406 tok/s in all, 1.9x one row).
-        # Quantized weights always take gemv, prefill too: dequantizing the whole weight for
-        # cuBLAS on every call would cost more than the matmul for all but long prompts.
-        if rows == 1 or self.fmt != FLOAT:
+        # Quantized weights take gemv up to TILE_ROWS rows (batches, short prompts).
+        if rows == 1 or (self.fmt != FLOAT and rows <= TILE_ROWS):
             return gemv(
                 x, self.weight, self.fmt, self.scales, self.zeros, self.groupsize, self.bias,
                 **fused,
@@ -854,13 +923,23 @@ def moe_experts(x: Tensor, w13, w2, expert_idx: Tensor, expert_weights: Tensor) 
 
 class FusedBlock(nn.Module):
     # A TransformerBlock whose decode step folds each RMSNorm into the next GEMV's prologue,
-    # SwiGLU into w2's and the residual adds into wo's and w2's epilogues: 4 GEMVs plus the
-    # attention per layer, where the plain block needs about twice as many kernels.
+    # SwiGLU into w2's and the residual adds into wo's and w2's epilogues, and the rotary
+    # embedding and cache write into the attention kernel: 4 GEMVs plus the attention per
+    # layer, where the plain block needs about three times as many kernels.
     def forward(self, x: Tensor, freqs_cis: Tensor, mask, input_pos: Tensor) -> Tensor:
         attn, ff = self.attention, self.feed_forward
         anorm, fnorm = self.attention_norm, self.ffn_norm
         qkv = attn.wqkv(x, norm_weight=anorm.weight, eps=anorm.eps)
-        h = attn.wo(attn.attend_qkv(qkv, freqs_cis, mask, input_pos), residual=x)
+        one_token = qkv.shape[1] == 1 and mask is not None and mask.dim() == 2
+        if qkv.is_cuda and one_token and attn.head_dim in (64, 128, 256):
+            # one new token, no padding: rotary embedding and the cache write in the kernel
+            cache = attn.kv_cache
+            y = torch.ops.fastgen.decode_attention_qkv(
+                qkv, freqs_cis, cache.k_cache, cache.v_cache, input_pos, attn.n_head
+            )  # fmt: skip
+        else:
+            y = attn.attend_qkv(qkv, freqs_cis, mask, input_pos)
+        h = attn.wo(y, residual=x)
         gate_up = ff.w13(h, norm_weight=fnorm.weight, eps=fnorm.eps)
         return ff.w2(gate_up, glu=True, residual=h)
 
@@ -885,7 +964,8 @@ def use_kernels(model: nn.Module) -> nn.Module:
             module.run_experts = moe_experts
         if getattr(module, "tinygemm_weight", None) is not None:
             # gemv reads the stored int4 format; a second, repacked copy would double the
-            # memory of every int4 layer. Prefill dequantizes instead.
+            # memory of every int4 layer. Prefill runs gemv's tiles (or, for long prompts,
+            # dequantizes for cuBLAS).
             module.tinygemm_weight = module.tinygemm_scales_and_zeros = None
     for layer in getattr(model, "layers", []):
         if hasattr(layer.feed_forward, "run_experts"):

@@ -247,6 +247,35 @@ def test_decode_attention_matches_sdpa(B, H, H_kv, S, D, pos):
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("B, H, H_kv, S, pos", [
+    (1, 4, 4, 128, 0), (1, 4, 4, 128, 77), (2, 8, 2, 2048, 1500), (1, 6, 3, 4096, 4095),
+])  # fmt: skip
+def test_decode_attention_from_qkv_equals_attend_qkv(B, H, H_kv, S, pos):
+    # The fused decode path (rotary embedding, cache write and attention in the kernel) against
+    # model.Attention.attend_qkv: the same output and the same cache afterwards.
+    from model import Attention, KVCache, ModelArgs, precompute_freqs_cis
+
+    torch.manual_seed(pos)
+    D = 64
+    dtype = torch.bfloat16 if GPU else torch.float32
+    attn = Attention(ModelArgs(dim=H * D, n_head=H, n_kv_heads=H_kv, head_dim=D, n_layer=1))
+    attn.kv_cache = KVCache(B, S, H_kv, D, dtype, DEVICE)
+    attn.kv_cache.k_cache.normal_()
+    attn.kv_cache.v_cache.normal_()
+    k_cache, v_cache = attn.kv_cache.k_cache.clone(), attn.kv_cache.v_cache.clone()
+    qkv = torch.randn(B, 1, (H + 2 * H_kv) * D, device=DEVICE, dtype=dtype)
+    ip = torch.tensor([pos], device=DEVICE)
+    freqs = precompute_freqs_cis(S, D, 500000.0).to(DEVICE)[ip][None]  # [1, 1, D/2, 2]
+    mask = torch.arange(S, device=DEVICE)[None, :] <= ip[:, None]
+    ref = attn.attend_qkv(qkv, freqs, mask, ip)  # writes attn.kv_cache
+    poison()
+    got = kernels._decode_attention_launch(qkv, k_cache, v_cache, ip, freqs, H)
+    tol = 2e-2 if GPU else 1e-5
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(k_cache, attn.kv_cache.k_cache, atol=tol, rtol=tol)
+    torch.testing.assert_close(v_cache, attn.kv_cache.v_cache)
+
+
 def test_model_with_kernels_matches_plain():
     # The swapped-in kernels give the same logits as the plain model, prefill and decode.
     from helpers import random_model
@@ -275,3 +304,24 @@ def test_model_with_kernels_matches_plain():
         torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-3)
         ip = torch.tensor([8], device=DEVICE)
         torch.testing.assert_close(fast(x[:, 8:], ip), plain(x[:, 8:], ip), atol=1e-3, rtol=1e-3)
+
+
+def test_gemv_linear_routes_quantized_rows_by_count(monkeypatch):
+    # One row and quantized inputs up to TILE_ROWS rows go to gemv; longer ones to the
+    # dequantizing linear (whose output must then be the same).
+    import quantize
+
+    torch.manual_seed(4)
+    linear = quantize.quantize_linear(torch.nn.Linear(64, 32, bias=False), "int8", None)
+    layer = kernels.GemvLinear(linear, kernels.INT8)
+    calls = []
+
+    def spy(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return kernels.gemv_reference(x, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "gemv", spy)
+    for rows in (1, 40, kernels.TILE_ROWS, kernels.TILE_ROWS + 1):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(layer(x), linear(x), atol=1e-4, rtol=1e-4)
+    assert calls == [1, 40, kernels.TILE_ROWS]
