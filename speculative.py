@@ -276,13 +276,8 @@ def setup(
     verify_fn, draft_fn, decode_fn = verify, draft_step, decode_one_token
     if compile:
         # Static shapes: verify always sees k+1 tokens; the draft 2 (a round's first step) or 1.
-        verify_fn = torch.compile(verify, fullgraph=True, dynamic=False)
-        draft_fn = torch.compile(draft_step, fullgraph=True, dynamic=False)
-        if torch.device(device).type == "cuda":
-            # Graphs of our own: CUDA-graph trees (mode="reduce-overhead") cost milliseconds
-            # each time calls switch between graphs, which a round does three times (H200:
-            # a 9-token verify of a 15M-parameter model took ~5 ms, its GPU work 0.2 ms).
-            verify_fn, draft_fn = cuda_graphed(verify_fn), cuda_graphed(draft_fn)
+        verify_fn = torch.compile(verify, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        draft_fn = torch.compile(draft_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
         decode_fn = compile_steps(compile=True, compile_prefill=False)["decode_fn"]
     return Speculator(
         target=model,
@@ -294,38 +289,6 @@ def setup(
         decode_fn=decode_fn,
         adaptive=adaptive,
     )
-
-
-def cuda_graphed(fn: Callable) -> Callable:
-    # fn(model, *args, **consts) replayed from a CUDA graph, one per model, argument shapes and
-    # constants. Tensor arguments are copied into the graph's own inputs; the outputs are the
-    # graph's, overwritten by its next replay (callers clone what they keep). The warm-up runs
-    # see the first call's inputs, so the cache slots they write get the same values again.
-    graphs: dict = {}
-
-    def run(model, *args, **consts):
-        key = (id(model), consts.get("temperature"), consts.get("top_k"), consts.get("top_p"))
-        key += tuple((a.shape, a.dtype) if isinstance(a, Tensor) else a for a in args)
-        if key not in graphs:
-            static = [a.clone() if isinstance(a, Tensor) else a for a in args]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # compile and warm up outside the capture
-                for _ in range(2):
-                    fn(model, *static, **consts)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = fn(model, *static, **consts)
-            graphs[key] = (graph, static, out)
-        graph, static, out = graphs[key]
-        for dst, src in zip(static, args):
-            if isinstance(dst, Tensor):
-                dst.copy_(src)
-        graph.replay()
-        return out
-
-    return run
 
 
 # ---------------------------------------------------------------------------------------------
