@@ -62,10 +62,10 @@ from tokenizer import Tokenizer, TokenizerError, get_tokenizer
 
 # Must encode alike with both tokenizers: letters, digits, spaces, accents, CJK, markup, a special.
 PROBE_TEXT = "Draft and target: 3 tokens, 1 check.  naïve café, 東京 <b>x</b>\n\t<|im_end|> end"
-PROBE_STEPS = 2  # timed speculative steps in a verdict: a losing probe costs little
+PROBE_STEPS = 4  # timed speculative steps in a verdict
 MEASURE_TOKENS = 8  # plain steps that measure plain decoding's rate
-FIRST_FALLBACK = 64  # plain tokens after speculation first loses
-MAX_FALLBACK = 1024
+FIRST_FALLBACK = 16  # plain tokens after speculation first loses
+MAX_FALLBACK = 512
 WARMUP_STEPS = 3  # the first steps compile and capture CUDA graphs: never timed
 
 
