@@ -3,7 +3,8 @@
 #     grouped int4 (per-group scale and offset) or float8 (per-channel scale), the
 #     dequantization fused into the loads, optional split-K for narrow outputs;
 #   - decode_attention: one query token against the KV cache, the sequence split across programs
-#     (flash-decoding) and only the filled part of the cache read.
+#     (flash-decoding) and only the filled part of the cache read; FusedBlock feeds it wqkv's
+#     output directly, and the kernel applies the rotary embedding and writes the cache too.
 # Each has a plain-PyTorch reference (`*_reference`) that runs on CPU and is what tests compare
 # against. `use_kernels(model)` swaps them into a loaded model on CUDA.
 #
