@@ -26,8 +26,9 @@ except ImportError:  # CPU-only installs: the references below still work
 FLOAT, INT8, INT4, FP8 = 0, 1, 2, 3
 MAX_GEMV_ROWS = 16  # up to this many rows: GEMV launch shapes; above: GEMM tiles
 # Quantized inputs of up to this many rows run on gemv's tiles; longer prompts dequantize each
-# weight for a cuBLAS matmul, which then costs little next to the matmul itself (H200, Llama-2-7B
-# w13 int8, 128 rows: tiles 250 us vs 322; 2048 rows: 1695 us vs 850; bench.py --prefill_rows).
+# weight for a cuBLAS matmul, which measured as fast or faster there (H200, Llama-2-7B w13,
+# tiles vs dequantize + cuBLAS: int4 g32 483 vs 1214 us at 256 rows, 2656 vs 1624 at 2048;
+# int8 285 vs 332, 1552 vs 833; bench.py --kernels_only --prefill_rows).
 TILE_ROWS = 256
 
 
@@ -815,10 +816,16 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Ten
     return torch.ops.fastgen.decode_attention(q, k_cache, v_cache, input_pos)
 
 
+def takes_decode_attention(q_len: int, mask: Tensor | None, head_dim: int) -> bool:
+    # The split kernel's case: one new token without padding (a [T, S] mask, not [B, 1, T, S]),
+    # a head size its tiles take.
+    return q_len == 1 and mask is not None and mask.dim() == 2 and head_dim in (64, 128, 256)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
     # model.Attention's `attend` hook: the split kernel for one new token without padding,
     # SDPA for prefill and padded batches.
-    if q.shape[2] == 1 and mask.dim() == 2 and q.shape[-1] in (64, 128, 256):
+    if takes_decode_attention(q.shape[2], mask, q.shape[-1]):
         return decode_attention(q, k, v, input_pos)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
@@ -932,8 +939,7 @@ class FusedBlock(nn.Module):
         attn, ff = self.attention, self.feed_forward
         anorm, fnorm = self.attention_norm, self.ffn_norm
         qkv = attn.wqkv(x, norm_weight=anorm.weight, eps=anorm.eps)
-        one_token = qkv.shape[1] == 1 and mask is not None and mask.dim() == 2
-        if qkv.is_cuda and one_token and attn.head_dim in (64, 128, 256):
+        if qkv.is_cuda and takes_decode_attention(qkv.shape[1], mask, attn.head_dim):
             # one new token, no padding: rotary embedding and the cache write in the kernel
             cache = attn.kv_cache
             y = torch.ops.fastgen.decode_attention_qkv(
