@@ -148,7 +148,7 @@ def profile_decode(model, device, steps, tokens: int) -> dict:
         kernels_per_token=len(kernels) / tokens,
         top=[
             dict(name=k[:120], per_token=n / tokens, us_per_token=t / tokens) for k, (n, t) in top
-        ],  # fmt: skip
+        ],
     )
     log(
         f"  profile: {res['kernels_per_token']:.0f} kernels, {res['kernel_us_per_token']:.0f} us "
