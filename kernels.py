@@ -102,6 +102,16 @@ def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, inpu
 if triton is not None:
 
     @triton.jit
+    def _dependent_launch(PDL: tl.constexpr):
+        # Programmatic dependent launch (Hopper): the kernel after this one may start its
+        # programs now, while ours finish, and ours wait here until the kernel before has
+        # finished and its writes are visible. Decode is a chain of short kernels, and this
+        # hides each one's launch behind its predecessor's tail. Nothing is read before it.
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+
+    @triton.jit
     def _load_x(x_ptr, off, mask, k_idx, nw_ptr, rstd, K, NORM: tl.constexpr, GLU: tl.constexpr):
         # The GEMV's input, with its prologue applied: x, or silu(gate) * up when the input row
         # is [gate (K) | up (K)], or RMSNorm(x) * norm_weight given the row's rstd. -> float32
@@ -294,12 +304,13 @@ if triton is not None:
         FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
         GLU: tl.constexpr, RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, WORDS: tl.constexpr, EXPERTS: tl.constexpr,
+        SPLIT_K: tl.constexpr, WORDS: tl.constexpr, EXPERTS: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # y[m, n] = sum_k x'[m, k] * W[n, k] (+ bias[n]) (+ residual[m, n]), x' = prologue(x).
         # BLOCK_M == 1: elementwise products summed once at the end (no tensor cores needed);
         # BLOCK_M >= 16: tl.dot on dequantized tiles, for batches and prefill of quantized
         # weights (each tile dequantized in registers, never the whole weight in memory).
+        _dependent_launch(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         if EXPERTS:  # program_id(2) picks a row of x and its expert's weights
@@ -449,6 +460,17 @@ if triton is not None:
             tl.atomic_add(y_ptr + y_off, out, mask=y_ok, sem="relaxed")
 
 
+def dependent_launch(x: Tensor) -> dict:
+    # The launch arguments for _dependent_launch: on for CUDA devices of compute capability 9
+    # and up, off in Triton's interpreter (which has no PTX).
+    on = (
+        x.device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
+    )
+    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
+
+
 def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0) -> dict:
     # Launch parameters by shape, from the sweep in scripts/bench.py (--sweep) on an H200:
     # enough 16-byte loads in flight per SM and enough programs to cover its 132 SMs.
@@ -574,7 +596,8 @@ def _gemv_launch(
         scales.stride(0) if experts and scales is not None else 0,
         EXPERTS=experts, FMT=fmt, G=max(groupsize, 2), HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", WORDS=words, **cfg,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", WORDS=words,
+        **cfg, **dependent_launch(x),
     )  # fmt: skip
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
@@ -635,12 +658,13 @@ if triton is not None:
         out_ptr, H_KV, N_SPLIT, f_ptr, stride_fb,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
         CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, DIRECT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, QKV: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, QKV: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # QKV: q_ptr is the new token's fused projection [B, (H + 2 H_KV) * D] before rotary
         # embedding. The kernel rotates q and the new key, writes key and value to the cache
         # slot input_pos, and attends to that slot from registers (the split holding it).
         # Otherwise q [B, H, 1, D] is rotated already and the cache holds the new token.
+        _dependent_launch(PDL)
         pid = tl.program_id(0)  # over batch x kv heads
         split = tl.program_id(1)
         b = pid // H_KV
@@ -769,7 +793,7 @@ def _decode_attention_launch(
         out, H_kv, n_split, f, f.stride(0) if qkv and f.shape[0] > 1 else 0,
         GROUP=group, GROUP_PAD=group_pad, D=D, CHUNK=chunk, BLOCK_S=min(64, chunk),
         DIRECT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QKV=qkv,
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **dependent_launch(q),
     )  # fmt: skip
     if not direct:
         _attn_combine_kernel[(B * H,)](
@@ -934,7 +958,8 @@ class FusedBlock(nn.Module):
     # A TransformerBlock whose decode step folds each RMSNorm into the next GEMV's prologue,
     # SwiGLU into w2's and the residual adds into wo's and w2's epilogues, and the rotary
     # embedding and cache write into the attention kernel: 4 GEMVs plus the attention per
-    # layer, where the plain block needs about three times as many kernels.
+    # layer, where the plain block needs about three times as many kernels. A Mixture-of-Experts
+    # block fuses its attention half alike; its router and experts run as MOEFeedForward does.
     def forward(self, x: Tensor, freqs_cis: Tensor, mask, input_pos: Tensor) -> Tensor:
         attn, ff = self.attention, self.feed_forward
         anorm, fnorm = self.attention_norm, self.ffn_norm
@@ -948,6 +973,8 @@ class FusedBlock(nn.Module):
         else:
             y = attn.attend_qkv(qkv, freqs_cis, mask, input_pos)
         h = attn.wo(y, residual=x)
+        if hasattr(ff, "run_experts"):
+            return h + ff(fnorm(h))
         gate_up = ff.w13(h, norm_weight=fnorm.weight, eps=fnorm.eps)
         return ff.w2(gate_up, glu=True, residual=h)
 
@@ -976,10 +1003,9 @@ def use_kernels(model: nn.Module) -> nn.Module:
             # dequantizes for cuBLAS).
             module.tinygemm_weight = module.tinygemm_scales_and_zeros = None
     for layer in getattr(model, "layers", []):
-        if hasattr(layer.feed_forward, "run_experts"):
-            continue  # MoE: the block stays plain, its experts run through moe_experts
-        linears = (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13,
-                   layer.feed_forward.w2)  # fmt: skip
+        linears = [layer.attention.wqkv, layer.attention.wo]
+        if not hasattr(layer.feed_forward, "run_experts"):  # MoE experts: moe_experts
+            linears += [layer.feed_forward.w13, layer.feed_forward.w2]
         if type(layer).__name__ == "TransformerBlock" and all(
             isinstance(m, GemvLinear) for m in linears
         ):

@@ -463,10 +463,12 @@ def bench_gemv(fmt, N, K, device, bandwidth, config=None, groupsize=32, rows=1, 
     )
 
 
-SWEEP_LAYERS = ("wo", "w13")
+PREFILL_LAYERS = ("wo", "w13")
 
 
-def bench_kernels(models, device, bandwidth, sweep=False):
+def bench_kernels(models, device, bandwidth, sweep=False, modes=None):
+    # Each GEMV of the models alone, in the given modes (default: all); a sweep tries many
+    # launch configurations per shape and keeps the best.
     import kernels
 
     fmts = {
@@ -476,17 +478,17 @@ def bench_kernels(models, device, bandwidth, sweep=False):
         "int4.g128": kernels.INT4,
         "fp8": kernels.FP8,
     }
+    if modes:
+        fmts = {m: kernels.INT4 if m.startswith("int4") else fmts[m] for m in modes}
     results = []
     for name in models:
         for layer, (N, K) in gemv_shapes(ModelArgs.from_name(name)).items():
             fusion = layer_fusion(layer, K, device)
             for mode, fmt in fmts.items():
-                if sweep and (layer not in SWEEP_LAYERS or mode in ("int4.g128", "fp8")):
-                    continue
                 g = int(mode.partition(".g")[2] or 32)
                 if fmt == kernels.INT4 and K % g:
                     continue
-                configs = sweep_configs(fmt, N, K) if sweep else [None]
+                configs = sweep_configs(fmt, N, K, g) if sweep else [None]
                 best = None
                 for cfg in configs:
                     try:
@@ -520,7 +522,7 @@ def bench_prefill(models, device, rows_list, peak_tflops=None) -> list:
     results = []
     for name in models:
         for layer, (N, K) in gemv_shapes(ModelArgs.from_name(name)).items():
-            if layer not in SWEEP_LAYERS:
+            if layer not in PREFILL_LAYERS:
                 continue
             for mode, fmt in (("int8", kernels.INT8), ("int4.g32", kernels.INT4),
                               ("int4.g128", kernels.INT4), ("fp8", kernels.FP8)):  # fmt: skip
@@ -554,14 +556,18 @@ def bench_prefill(models, device, rows_list, peak_tflops=None) -> list:
     return results
 
 
-def sweep_configs(fmt, N, K):
+def sweep_configs(fmt, N, K, groupsize=32):
     # The launch parameters that matter most: rows per program, columns per step, warps; for
     # int8 also the element-wise path against the 32-bit-word one. The default comes first.
     import kernels
 
-    default = kernels.gemv_config(fmt, 1, N, K)
+    default = kernels.gemv_config(fmt, 1, N, K, groupsize)
     if fmt == kernels.FLOAT:
         grid = [(bn, bk, 4) for bn in (4, 8, 16) for bk in (512, 1024)]
+    elif fmt == kernels.INT4:  # x rematerialized in the weight's layout needs BK/8 < threads
+        grid = [(bn, 512, 4) for bn in (8, 16, 32, 64)] + [(bn, 1024, 8) for bn in (16, 32, 64)]
+        grid += [(16, 256, 4), (32, 2048, 16)]
+        grid = [(bn, bk, w) for bn, bk, w in grid if bk % groupsize == 0 and bk <= K]
     else:
         grid = [(8, 1024, 4), (8, 2048, 4), (16, 2048, 4), (32, 512, 4), (32, 1024, 4)]
         grid += [(16, 1024, 8), (16, 2048, 8)]
@@ -606,7 +612,7 @@ def check_arguments(
     modes, metrics, new_tokens, samples, spec_temperatures, spec_cases, prefill_rows=None
 ):  # fmt: skip
     # Bad flags fail before minutes of model building, each with one line.
-    for mode in modes.split(","):
+    for mode in (modes or "bf16").split(","):
         kind, _, group = mode.replace("-gptq", "").partition(".g")
         if kind not in ("bf16", "int8", "int4", "fp8") or (kind == "int4") != group.isdigit():
             raise UserError(f"unknown mode {mode!r} (bf16, int8, int4.gN, int4-gptq.gN, fp8)")
@@ -658,7 +664,10 @@ def main(
         peak = report["bf16_tflops"] = matmul_tflops(dev)
         log(f"measured bf16 matmul {peak:.0f} TFLOP/s")
     if kernels_only or sweep:
-        report["kernels"] = bench_kernels(names, dev, report["read_gb_s"] * 1e9, sweep)
+        kernel_modes = modes.split(",") if modes else None
+        report["kernels"] = bench_kernels(
+            names, dev, report["read_gb_s"] * 1e9, sweep, kernel_modes
+        )  # fmt: skip
         if prefill_rows:
             rows = [int(r) for r in prefill_rows.split(",")]
             report["prefill"] = bench_prefill(names, dev, rows, peak)
@@ -675,7 +684,7 @@ def main(
     else:
         report["results"] = []
         for name in names:
-            for mode in modes.split(","):
+            for mode in (modes or "bf16").split(","):
                 r = bench_model(
                     name,
                     mode,
@@ -700,8 +709,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default="Llama-2-7B", help="comma-separated names from model.py")
     p.add_argument(
         "--modes",
-        default="bf16",
-        help="comma-separated: bf16, int8, int4.gN, int4-gptq.gN (as int4), fp8",
+        default=None,
+        help="comma-separated: bf16, int8, int4.gN, int4-gptq.gN (as int4), fp8 (default: bf16; "
+        "with --kernels_only: bf16, int8, int4.g32, int4.g128, fp8)",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--out", default=None, help="write the results as JSON here")

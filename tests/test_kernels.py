@@ -276,14 +276,20 @@ def test_decode_attention_from_qkv_equals_attend_qkv(B, H, H_kv, S, pos):
     torch.testing.assert_close(v_cache, attn.kv_cache.v_cache)
 
 
-def test_model_with_kernels_matches_plain():
-    # The swapped-in kernels give the same logits as the plain model, prefill and decode.
+@pytest.mark.parametrize("experts", [0, 4])
+def test_model_with_kernels_matches_plain(experts):
+    # The swapped-in kernels give the same logits as the plain model, prefill and decode; a
+    # Mixture-of-Experts model's blocks fuse their attention half too.
     from helpers import random_model
     from model import sdpa_attention
 
-    plain = random_model(num_key_value_heads=2, hidden_size=256).to(DEVICE)  # head_dim 64
-    fast = random_model(num_key_value_heads=2, hidden_size=256).to(DEVICE)
+    cfg = dict(num_key_value_heads=2, hidden_size=256)  # head_dim 64
+    if experts:
+        cfg.update(num_local_experts=experts, num_experts_per_tok=2)
+    plain = random_model(**cfg).to(DEVICE)
+    fast = random_model(**cfg).to(DEVICE)
     kernels.use_kernels(fast)
+    assert all(isinstance(layer, kernels.FusedBlock) for layer in fast.layers)
     if not GPU:
         # use_kernels routes through the references on CPU; call the Triton code directly.
         def attend(q, k, v, mask, pos):
