@@ -33,10 +33,12 @@
 # Adaptivity. A round costs a target forward of k+1 tokens plus k draft steps and yields n+1
 # tokens; when few proposals are kept it is slower than plain decoding. Every step is timed (one
 # host sync per step is needed anyway to learn n); over the last PROBE_STEPS steps the
-# speculative rate is compared with plain decoding's, measured in short bursts of plain steps.
-# When speculation loses, plain steps run for FIRST_FALLBACK tokens, doubling up to MAX_FALLBACK
-# while it keeps losing, before speculation is tried again. With no n-gram match a round is one
-# plain step.
+# speculative rate is compared with plain decoding's, measured in short bursts of plain steps
+# (the first right after the first timed step). When speculation loses, plain steps run for
+# FIRST_FALLBACK tokens, doubling up to MAX_FALLBACK while it keeps losing, before speculation is
+# tried again. When even the fastest of two rounds, all k proposals kept, would lose (a draft
+# about as slow as the target), no acceptance can help: MAX_FALLBACK at once. With no n-gram
+# match a round is one plain step.
 import time
 from collections import deque
 from collections.abc import Callable
@@ -367,10 +369,19 @@ def plain_steps(
 
 def verdict(spec: Speculator, window: deque) -> int:
     # -> plain tokens to decode before speculating again (0: keep speculating)
-    if not spec.adaptive or len(window) < PROBE_STEPS:
+    if not spec.adaptive or not window:
         return 0
-    if spec.plain_rate is None:
+    if spec.plain_rate is None:  # plain decoding's rate first: its tokens are never wasted
         return MEASURE_TOKENS
+    fastest = min(s for _, s in window)
+    if len(window) >= 2 and (spec.k + 1) / fastest < spec.plain_rate:
+        # Even with all k proposals kept, no round matches plain decoding (a draft about as slow
+        # as the target): no acceptance can make speculation pay, so back off the longest.
+        spec.fallback = MAX_FALLBACK
+        window.clear()
+        return MAX_FALLBACK
+    if len(window) < PROBE_STEPS:
+        return 0
     rate = sum(t for t, _ in window) / sum(s for _, s in window)
     if rate >= spec.plain_rate:
         spec.fallback = FIRST_FALLBACK

@@ -2,6 +2,7 @@
 # tokens follow the target's distribution (chi-square), the KV cache after rejections equals plain
 # decoding's, and the generate.py flags, on tiny random models and on the real SmolLM2.
 import importlib.util
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -98,17 +99,33 @@ def test_greedy_equals_plain(kind):
         assert hist[0] > steps / 2
 
 
-def test_adaptive_fallback_keeps_greedy_output():
+def test_adaptive_fallback_keeps_greedy_output(monkeypatch):
     # Speculation made to look slower than plain decoding: plain bursts interleave with probes,
     # and the draft catches up on the tokens it missed. The output must not change.
+    monkeypatch.setattr(spec, "MAX_FALLBACK", 24)  # so that probes recur within 90 tokens
     target = random_model(0)
     prompt = [5, 9, 14, 5, 9, 14]
     ref = plain_greedy(target, prompt, 90)
     s = speculator(target, noisy_copy(target, 0.05), adaptive=True, plain_rate=float("inf"))
     got = spec.generate(s, torch.tensor([prompt]), 90, temperature=0)[0]
     assert got == ref
-    assert s.stats.plain_tokens >= spec.FIRST_FALLBACK and s.stats.verify_steps > spec.PROBE_STEPS
-    assert s.fallback > spec.FIRST_FALLBACK  # it kept losing, so the fallback grew
+    assert s.stats.plain_tokens >= 24 and s.stats.verify_steps > spec.WARMUP_STEPS + 2
+
+
+def test_verdict_by_rate_and_by_ceiling():
+    # Rounds of k=4: (tokens made, seconds). Plain decoding makes 10 tokens/s.
+    s = speculator(random_model(0), None, ngram=2, k=4, adaptive=True, plain_rate=10.0)
+    winning = deque([(3, 0.2)] * spec.PROBE_STEPS)  # 15 tokens/s
+    assert spec.verdict(s, winning) == 0 and s.fallback == spec.FIRST_FALLBACK
+    losing = deque([(1, 0.2)] * spec.PROBE_STEPS)  # 5 tokens/s, but 25/s if all were kept
+    assert spec.verdict(s, deque(list(losing)[:2])) == 0  # too few rounds to judge the rate
+    assert spec.verdict(s, losing) == spec.FIRST_FALLBACK and not losing
+    assert spec.verdict(s, deque([(1, 0.2)] * spec.PROBE_STEPS)) == 2 * spec.FIRST_FALLBACK
+    # 5 tokens a round at best in 0.6 s or more: under 10/s whatever is kept
+    hopeless = deque([(5, 0.6), (1, 0.7)])
+    assert spec.verdict(s, hopeless) == spec.MAX_FALLBACK == s.fallback
+    s.plain_rate = None  # plain decoding not measured yet: a short burst measures it
+    assert spec.verdict(s, deque([(1, 0.7)])) == spec.MEASURE_TOKENS
 
 
 def test_stop_ids_and_max_new_tokens():
