@@ -109,10 +109,11 @@ def kv_bytes(model: Transformer, length: int, batch: int = 1) -> int:
 
 
 def decode_rate(
-    model, device, steps, prompt, new_tokens, batch=1, start_pos=0, samples=5, temperature=0.8
-):
+    model, device, steps, prompt, new_tokens, batch=1, start_pos=0, samples=5, temperature=0.8,
+    stop_ids=frozenset(),
+):  # fmt: skip
     # Average tok/s of generate() over `samples` runs (all rows counted). prompt: a length (of
-    # random tokens) or the tokens [1, T].
+    # random tokens) or the tokens [1, T]. stop_ids end a row early, as generate.py's do.
     if isinstance(prompt, int):
         g = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, 1000, (1, prompt), generator=g)
@@ -122,7 +123,9 @@ def decode_rate(
     for _ in range(samples):
         sync(device)
         t0 = time.perf_counter()
-        out = generate(model, prompt, new_tokens, start_pos=start_pos, **sampling, **steps)
+        out = generate(
+            model, prompt, new_tokens, start_pos=start_pos, stop_ids=stop_ids, **sampling, **steps
+        )  # fmt: skip
         sync(device)
         rates.append(sum(len(r) for r in out) / (time.perf_counter() - t0))
     return statistics.mean(rates)
@@ -273,19 +276,21 @@ EDIT_PROMPT = (
 )
 
 
-def speculative_rate(sp, prompt, new_tokens, samples, **sampling) -> dict:
+def speculative_rate(sp, prompt, new_tokens, samples, stop_ids=frozenset(), **sampling) -> dict:
     # Mean tok/s and acceptance of speculative.generate over samples runs, after one warm-up.
     import speculative
 
-    speculative.generate(sp, prompt, new_tokens, **sampling)
-    rates, kept, plain = [], [], []
+    speculative.generate(sp, prompt, new_tokens, stop_ids=stop_ids, **sampling)
+    rates, kept, plain, lengths = [], [], [], []
     for _ in range(samples):
-        speculative.generate(sp, prompt, new_tokens, **sampling)
+        speculative.generate(sp, prompt, new_tokens, stop_ids=stop_ids, **sampling)
         s = sp.stats
         rates.append(s.tokens / s.seconds)
         kept.append(s.mean_accepted)
         plain.append(s.plain_tokens / max(s.tokens, 1))
+        lengths.append(s.tokens)
     return dict(
+        tokens=statistics.mean(lengths),
         tok_s=statistics.mean(rates),
         mean_kept=statistics.mean(kept),
         k=sp.k,
@@ -315,8 +320,10 @@ def bench_speculative(
     prompt = torch.randint(0, 1000, (1, 5), generator=torch.Generator().manual_seed(1))
     prompt = prompt.to(device)
 
-    def plain_rate(model, prompt, n, temperature):  # after one warm-up run
-        rate = partial(decode_rate, model, device, steps, prompt, n, temperature=temperature)
+    def plain_rate(model, prompt, n, temperature, stop_ids=frozenset()):  # after a warm-up run
+        rate = partial(
+            decode_rate, model, device, steps, prompt, n, temperature=temperature, stop_ids=stop_ids
+        )  # fmt: skip
         rate(samples=1)
         return rate(samples=samples)
 
@@ -360,11 +367,14 @@ def bench_speculative(
         prompt = torch.tensor([ids], device=device)
         n = 160
         model.setup_caches(1, len(ids) + n + 64)
+        # The reply ends at the chat's end-of-turn token, as in generate.py: past it the model
+        # writes new text that no lookup can propose.
+        stops = frozenset(tok.stop_ids)
         for temperature in temperatures:
             sampling = dict(temperature=temperature, top_k=200)
-            base = plain_rate(model, prompt, n, temperature)
+            base = plain_rate(model, prompt, n, temperature, stops)
             sp = speculative.setup(model, tok, None, 8, 3, device, len(ids) + n + 64, True)
-            r = speculative_rate(sp, prompt, n, samples, **sampling)
+            r = speculative_rate(sp, prompt, n, samples, stops, **sampling)
             r.update(target=str(path), case="3-gram lookup, repeat-and-edit prompt",
                      temperature=temperature, plain_tok_s=base)  # fmt: skip
             r["speedup"] = r["tok_s"] / base
