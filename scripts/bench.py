@@ -574,7 +574,7 @@ def sweep_configs(fmt, N, K, groupsize=32):
     default = kernels.gemv_config(fmt, 1, N, K, groupsize)
     if fmt == kernels.FLOAT:
         grid = [(bn, bk, 4) for bn in (4, 8, 16) for bk in (512, 1024)]
-    elif fmt == kernels.INT4:  # x rematerialized in the weight's layout needs BK/8 < threads
+    elif fmt == kernels.INT4:  # columns per step as whole groups, no wider than K
         grid = [(bn, 512, 4) for bn in (8, 16, 32, 64)] + [(bn, 1024, 8) for bn in (16, 32, 64)]
         grid += [(16, 256, 4), (32, 2048, 16)]
         grid = [(bn, bk, w) for bn, bk, w in grid if bk % groupsize == 0 and bk <= K]
