@@ -73,6 +73,8 @@ def gemv_reference(
         from quantize import dequantize_int4
 
         w = dequantize_int4(weight, scales, zeros, groupsize)
+        if xf.shape[0] == 1:  # one row: the dp4a path, which quantizes x
+            xf = activation_int8_reference(xf)
     else:
         w = weight.float()
     y = xf @ w.t()
@@ -83,6 +85,17 @@ def gemv_reference(
     if residual is not None:
         y = y + residual.float()
     return y.to(x.dtype)
+
+
+def activation_int8_reference(x: Tensor) -> Tensor:
+    # x [M, K] float32, K a multiple of 32 -> x rounded to int8 per block of 32 consecutive
+    # columns with scale max|x| / 127 (half away from zero), back in float32: what the one-row
+    # int4 GEMV multiplies its weights with.
+    b = x.reshape(x.shape[0], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    v = b * (127.0 / amax.clamp_min(1e-30))
+    q = torch.trunc(v + torch.where(v >= 0, 0.5, -0.5))
+    return (q * (amax * (1.0 / 127.0))).reshape(x.shape)
 
 
 def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor):
@@ -164,52 +177,6 @@ if triton is not None:
             return v0, v1, v2, v3
 
     @triton.jit
-    def _int4_word_floats(w, WORDS: tl.constexpr):
-        # int32 words of 8 nibbles -> 8 float32 tensors 1 + q_i / 2^11 (i = 0, 2, 3, 5) or
-        # 1 + q_i / 2^7 (i = 1, 4, 6, 7). WORDS == 2: one LOP3 (and-or) per nibble in PTX;
-        # ptxas would otherwise spend two, since both of its constants are immediates.
-        if WORDS == 2:
-            return tl.inline_asm_elementwise(
-                """{
-                .reg .b32 t0, t1, t2, t3, lo, hi, one;
-                mov.b32 lo, 0xF000;
-                mov.b32 hi, 0xF0000;
-                mov.b32 one, 0x3F800000;
-                shl.b32 t0, $8, 12;
-                shl.b32 t1, $8, 4;
-                shr.b32 t2, $8, 8;
-                shr.b32 t3, $8, 12;
-                lop3.b32 $0, t0, lo, one, 0xEA;
-                lop3.b32 $1, t0, hi, one, 0xEA;
-                lop3.b32 $2, t1, lo, one, 0xEA;
-                lop3.b32 $3, $8, lo, one, 0xEA;
-                lop3.b32 $4, $8, hi, one, 0xEA;
-                lop3.b32 $5, t2, lo, one, 0xEA;
-                lop3.b32 $6, t2, hi, one, 0xEA;
-                lop3.b32 $7, t3, hi, one, 0xEA;
-                }""",
-                "=r,=r,=r,=r,=r,=r,=r,=r,r",
-                [w],
-                dtype=(tl.float32,) * 8,
-                is_pure=True,
-                pack=1,
-            )
-        else:
-            w12 = w << 12
-            w4 = w << 4
-            w8 = w >> 8
-            w12r = w >> 12
-            v0 = ((w12 & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v1 = ((w12 & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v2 = ((w4 & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v3 = ((w & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v4 = ((w & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v5 = ((w8 & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v6 = ((w8 & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
-            v7 = ((w12r & 0xF0000) | 0x3F800000).to(tl.float32, bitcast=True)
-            return v0, v1, v2, v3, v4, v5, v6, v7
-
-    @triton.jit
     def _int8_words(
         x_ptr, w_ptr, nw_ptr, rstd, K, stride_wn, rn, n_ok, k_lo, k_hi,
         NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -240,61 +207,72 @@ if triton is not None:
         return (tl.sum(acc, axis=1) - (32768.0 + 128.0) * tl.sum(xs))[None, :]
 
     @triton.jit
+    def _dp4a(a, b, c, WORDS: tl.constexpr):
+        # c + sum over bytes t of a's byte t (unsigned) times b's byte t (signed), int32 words.
+        # WORDS == 2: the dp4a instruction (PTX); else shifts and multiplies.
+        if WORDS == 2:
+            return tl.inline_asm_elementwise(
+                "dp4a.u32.s32 $0, $1, $2, $3;",
+                "=r,r,r,r",
+                [a, b, c],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            for t in tl.static_range(4):
+                c += ((a >> (8 * t)) & 255) * ((b << (24 - 8 * t)) >> 24)
+            return c
+
+    @triton.jit
     def _int4_words(
         x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rstd, K, stride_wn, stride_sn, rn, n_ok, k_lo, k_hi,
         G: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
     ):  # fmt: skip
-        # int4 rows as int32 words: nibble i (bits 4i..4i+3) of word j is k = 8j + i, the
-        # stored format read as is. Shifts by 12, 4, 0, -8, -12 bring every nibble to bits
-        # 12..15 (b = 12) or 16..19 (b = 16). w = (q - zero) * scale per group of G.
-        NG: tl.constexpr = BLOCK_K // G
-        WG: tl.constexpr = G // 8
-        rg = tl.arange(0, NG)
-        rw = tl.arange(0, WG)
-        ri = tl.arange(0, 8)
-        # 2^(23-b) for nibble i: b = 16 for i in (1, 4, 6, 7), else 12
-        high = (ri == 1) | (ri == 4) | (ri == 6) | (ri == 7)
-        x_scale = tl.where(high, 128.0, 2048.0)
-        acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
+        # int4 rows as int32 words, the stored format read as is: nibble i (bits 4i..4i+3) of
+        # word j is k = 8j + i. A float FMA per nibble needs 4-6 instructions with its unpacking,
+        # more than the H200 can issue per nibble at full read bandwidth (about 3.5). So x is
+        # quantized to int8 per block of 32 (scale max|x| / 127, as activation_int8_reference
+        # does), and each word is two dp4a (4 products each) on its even and odd nibbles,
+        # masked in place: w & 0x0F0F0F0F holds k = 8j, 8j+2, 8j+4, 8j+6 as bytes, (w >> 4) &
+        # 0x0F0F0F0F the odd k. About 5 instructions per 8 nibbles. w = (q - zero) * scale.
+        # The weights load as [BLOCK_N, BW] words, contiguous along the row: a warp's threads
+        # read 16 bytes each of one row, and each thread keeps one block of 32 nibbles of
+        # several rows, so x's words are fetched once per thread for all of them.
+        BW: tl.constexpr = BLOCK_K // 8
+        NB: tl.constexpr = BLOCK_K // 32
+        rw = tl.arange(0, BW)
+        shift = 8 * tl.arange(0, 4)
+        acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
-            g_ok = (k + rg * G) < k_hi  # [NG]
-            kw = (k // 8 + rg * WG)[:, None] + rw[None, :]  # [NG, WG] word index
-            w_ok = n_ok[:, None, None] & g_ok[None, :, None]
-            w = tl.load(w_ptr + rn[:, None, None] * stride_wn + kw[None], mask=w_ok, other=0)
-            x_off = 8 * kw[:, :, None] + ri[None, None, :]  # [NG, WG, 8]
-            x8 = _load_x(
-                x_ptr, x_off, g_ok[:, None, None], x_off, nw_ptr, rstd, K, NORM, GLU
-            )  # fmt: skip
-            x8 = x8 * x_scale[None, None, :]
-            # i = 4a + 2b + c: split off c, then b, then a
-            x_c0, x_c1 = tl.split(tl.reshape(x8, [NG, WG, 2, 2, 2]))
-            x_c0b0, x_c0b1 = tl.split(x_c0)
-            x_c1b0, x_c1b1 = tl.split(x_c1)
-            x0, x4 = tl.split(x_c0b0)
-            x2, x6 = tl.split(x_c0b1)
-            x1, x5 = tl.split(x_c1b0)
-            x3, x7 = tl.split(x_c1b1)
-            v0, v1, v2, v3, v4, v5, v6, v7 = _int4_word_floats(w, WORDS)
-            t = v0 * x0[None]  # [BN, NG, WG], one FMA per weight
-            t += v1 * x1[None]
-            t += v2 * x2[None]
-            t += v3 * x3[None]
-            t += v4 * x4[None]
-            t += v5 * x5[None]
-            t += v6 * x6[None]
-            t += v7 * x7[None]
-            # The x-only sums, taken where each thread already holds its group's x' (in-thread
-            # adds, no reduction across warps): x' sums per scale class.
-            x12 = tl.sum((x0 + x2 + x3 + x5)[None], axis=2)  # [1, NG], x' = x * 2^11
-            x16 = tl.sum((x1 + x4 + x6 + x7)[None], axis=2)  # [1, NG], x' = x * 2^7
-            qx = tl.sum(t, axis=2) - (x12 + x16)  # [BN, NG]: sum over the group of q * x
-            xsum = x12 * (1.0 / 2048.0) + x16 * (1.0 / 128.0)
-            s_off = rn[:, None] * stride_sn + (k // G + rg)[None, :]
-            sg_ok = n_ok[:, None] & g_ok[None, :]
-            s = tl.load(s_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)  # [BN, NG]
-            z = tl.load(z_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)
-            acc += s * (qx - z * xsum)
+            kw = k // 8 + rw  # [BW] word index
+            # whole blocks of 4 words in or out: the mask stays constant over each 16-byte load
+            w_ok = n_ok[:, None] & ((k + 32 * (rw // 4)) < k_hi)[None, :]
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :], mask=w_ok, other=0)
+            kb = k + 32 * tl.arange(0, NB)  # [NB] first k of each block
+            b_ok = kb < k_hi
+            x_off = kb[:, None] + tl.arange(0, 32)[None, :]  # [NB, 32]
+            x32 = _load_x(x_ptr, x_off, b_ok[:, None], x_off, nw_ptr, rstd, K, NORM, GLU)
+            amax = tl.max(tl.abs(x32), axis=1)  # [NB]
+            v = x32 * (127.0 / tl.maximum(amax, 1e-30))[:, None]  # all 0 if amax is
+            xq = (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int32)  # [NB, 32], -127..127
+            x_scale = amax * (1.0 / 127.0)
+            xsum = tl.sum(xq, axis=1).to(tl.float32) * x_scale  # [NB]
+            # bytes of x as words like w's: k = 8j + 2t + c, c = 0 the even k; the bytes are
+            # disjoint, so the sums are ORs
+            x_even, x_odd = tl.split(tl.reshape(xq & 255, [NB, 4, 4, 2]))  # [NB, 4 (j), 4 (t)]
+            x_even = tl.reshape(tl.sum(x_even << shift[None, None, :], axis=2), [BW])
+            x_odd = tl.reshape(tl.sum(x_odd << shift[None, None, :], axis=2), [BW])
+            q = _dp4a(w & 0x0F0F0F0F, x_even[None, :], tl.zeros_like(w), WORDS)
+            q = _dp4a((w >> 4) & 0x0F0F0F0F, x_odd[None, :], q, WORDS)  # [BN, BW]
+            q = tl.sum(tl.reshape(q, [BLOCK_N, NB, 4]), axis=2)  # [BN, NB]: sum of q * x_int8
+            qx = q.to(tl.float32) * x_scale[None, :]
+            s_off = rn[:, None] * stride_sn + (kb // G)[None, :]
+            sb_ok = n_ok[:, None] & b_ok[None, :]
+            s = tl.load(s_ptr + s_off, mask=sb_ok, other=0).to(tl.float32)  # [BN, NB]
+            z = tl.load(z_ptr + s_off, mask=sb_ok, other=0).to(tl.float32)
+            acc += s * (qx - z * xsum[None, :])
         return tl.sum(acc, axis=1)[None, :]  # [1, BN]
 
     @triton.jit
@@ -486,8 +464,8 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0) -> dict:
     block_m = 1 if M == 1 else 16
     if fmt == INT8 and block_m == 1:  # the word path; from the sweep (76% on 22016x4096)
         cfg = dict(BLOCK_N=8, BLOCK_K=1024 if N > 3 * K else 2048, num_warps=4, num_stages=3)
-    elif fmt == INT4 and block_m == 1:  # the word path: 30% at best, bound by layout changes
-        cfg = dict(BLOCK_N=16, BLOCK_K=2048 if N <= K else 1024, num_warps=4, num_stages=3)
+    elif fmt == INT4 and block_m == 1:  # the word path (dp4a)
+        cfg = dict(BLOCK_N=16, BLOCK_K=1024, num_warps=4, num_stages=3)
     elif fmt == INT4:
         cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
     else:

@@ -34,11 +34,13 @@
 # tokens; when few proposals are kept it is slower than plain decoding. Every step is timed (one
 # host sync per step is needed anyway to learn n); over the last PROBE_STEPS steps the
 # speculative rate is compared with plain decoding's, measured in short bursts of plain steps
-# (the first right after the first timed step). When speculation loses, plain steps run for
-# FIRST_FALLBACK tokens, doubling up to MAX_FALLBACK while it keeps losing, before speculation is
-# tried again. When even the fastest of two rounds, all k proposals kept, would lose (a draft
-# about as slow as the target), no acceptance can help: MAX_FALLBACK at once. With no n-gram
-# match a round is one plain step.
+# (the first right after the first timed step). When speculation loses, plain steps run before
+# it is tried again: long enough that the probe's lost time is a small share (PROBE_COST) of
+# theirs, at least FIRST_FALLBACK tokens, doubling while it keeps losing, at most MAX_FALLBACK.
+# Speculation's overhead where it cannot pay stays near PROBE_COST. When even the fastest of
+# two rounds, all k proposals kept, would lose (a draft about as slow as the target), no
+# acceptance can help: MAX_FALLBACK at once. With no n-gram match a round is one plain step.
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -68,6 +70,7 @@ PROBE_STEPS = 4  # timed speculative steps in a verdict
 MEASURE_TOKENS = 8  # plain steps that measure plain decoding's rate
 FIRST_FALLBACK = 16  # plain tokens after speculation first loses
 MAX_FALLBACK = 512
+PROBE_COST = 0.03  # a losing probe's lost time, at most this share of the fallback after it
 WARMUP_STEPS = 3  # the first steps compile and capture CUDA graphs: never timed
 
 
@@ -382,11 +385,15 @@ def verdict(spec: Speculator, window: deque) -> int:
         return MAX_FALLBACK
     if len(window) < PROBE_STEPS:
         return 0
-    rate = sum(t for t, _ in window) / sum(s for _, s in window)
-    if rate >= spec.plain_rate:
+    tokens, seconds = sum(t for t, _ in window), sum(s for _, s in window)
+    if tokens / seconds >= spec.plain_rate:
         spec.fallback = FIRST_FALLBACK
         return 0
-    n = spec.fallback
+    # Lost: plain steps for long enough that the time this probe lost against plain decoding is
+    # at most PROBE_COST of theirs (a badly losing draft backs off at once, a near miss is
+    # retried soon), and no fewer than twice the last fallback while it keeps losing.
+    lost = seconds - tokens / spec.plain_rate
+    n = min(max(spec.fallback, math.ceil(lost * spec.plain_rate / PROBE_COST)), MAX_FALLBACK)
     spec.fallback = min(2 * n, MAX_FALLBACK)
     window.clear()  # judge speculation afresh when it resumes
     return n

@@ -574,10 +574,10 @@ def sweep_configs(fmt, N, K, groupsize=32):
     default = kernels.gemv_config(fmt, 1, N, K, groupsize)
     if fmt == kernels.FLOAT:
         grid = [(bn, bk, 4) for bn in (4, 8, 16) for bk in (512, 1024)]
-    elif fmt == kernels.INT4:  # columns per step as whole groups, no wider than K
-        grid = [(bn, 512, 4) for bn in (8, 16, 32, 64)] + [(bn, 1024, 8) for bn in (16, 32, 64)]
-        grid += [(16, 256, 4), (32, 2048, 16)]
-        grid = [(bn, bk, w) for bn, bk, w in grid if bk % groupsize == 0 and bk <= K]
+    elif fmt == kernels.INT4:  # columns per step no wider than K
+        grid = [(8, 1024, 2), (16, 1024, 2), (16, 1024, 4), (32, 1024, 4), (32, 1024, 8)]
+        grid += [(64, 1024, 8), (64, 1024, 16), (16, 512, 2), (32, 512, 4), (16, 2048, 8)]
+        grid = [(bn, bk, w) for bn, bk, w in grid if bk <= K]
     else:
         grid = [(8, 1024, 4), (8, 2048, 4), (16, 2048, 4), (32, 512, 4), (32, 1024, 4)]
         grid += [(16, 1024, 8), (16, 2048, 8)]

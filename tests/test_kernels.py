@@ -203,6 +203,13 @@ def test_moe_decode_through_expert_gemv_equals_moe_py(mode):
     weights, idx = moe.route(ff.gate(x), 2)
     for ids in (idx, torch.tensor([[idx[0, 0].item(), 7]], device=DEVICE)):
         ref = moe.moe_experts(x, ff.w13, ff.w2, ids, weights)
+        if mode == "int4":  # one-row int4 quantizes x to int8: the gemv reference does that too
+            ref = torch.zeros_like(x)
+            for e, wt in zip(ids[0].tolist(), weights[0].tolist(), strict=True):
+                if e < cfg.num_experts:
+                    w13, w2 = ((m.weight[e], m.scales[e], m.zeros[e], 32) for m in (ff.w13, ff.w2))
+                    h = kernels.gemv_reference(x, w13[0], kernels.INT4, *w13[1:])
+                    ref += wt * kernels.gemv_reference(h, w2[0], kernels.INT4, *w2[1:], glu=True)
         got = kernels.moe_experts(x, ff.w13, ff.w2, ids, weights)
         # the int8/int4 word paths are exact to about 2^-14 of |y| (see test_gemv_*)
         torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)

@@ -120,10 +120,16 @@ def test_verdict_by_rate_and_by_ceiling():
     s = speculator(random_model(0), None, ngram=2, k=4, adaptive=True, plain_rate=10.0)
     winning = deque([(3, 0.2)] * spec.PROBE_STEPS)  # 15 tokens/s
     assert spec.verdict(s, winning) == 0 and s.fallback == spec.FIRST_FALLBACK
+    # A near miss (9.5 tokens/s) lost 0.04 s: 14 plain tokens would make that PROBE_COST (3%) of
+    # theirs, fewer than FIRST_FALLBACK, which doubles while speculation keeps losing.
+    near = deque([(2, 0.21)] * spec.PROBE_STEPS)
+    assert spec.verdict(s, near) == spec.FIRST_FALLBACK and not near
+    assert spec.verdict(s, deque([(2, 0.21)] * spec.PROBE_STEPS)) == 2 * spec.FIRST_FALLBACK
+    s.fallback = spec.FIRST_FALLBACK
     losing = deque([(1, 0.2)] * spec.PROBE_STEPS)  # 5 tokens/s, but 25/s if all were kept
     assert spec.verdict(s, deque(list(losing)[:2])) == 0  # too few rounds to judge the rate
-    assert spec.verdict(s, losing) == spec.FIRST_FALLBACK and not losing
-    assert spec.verdict(s, deque([(1, 0.2)] * spec.PROBE_STEPS)) == 2 * spec.FIRST_FALLBACK
+    # 0.8 s for 4 tokens that plain decoding makes in 0.4 s: 0.4 s is 3% of 134 plain tokens
+    assert spec.verdict(s, losing) == 134 == s.fallback // 2 and not losing
     # 5 tokens a round at best in 0.6 s or more: under 10/s whatever is kept
     hopeless = deque([(5, 0.6), (1, 0.7)])
     assert spec.verdict(s, hopeless) == spec.MAX_FALLBACK == s.fallback
