@@ -464,8 +464,9 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0) -> dict:
     block_m = 1 if M == 1 else 16
     if fmt == INT8 and block_m == 1:  # the word path; from the sweep (76% on 22016x4096)
         cfg = dict(BLOCK_N=8, BLOCK_K=1024 if N > 3 * K else 2048, num_warps=4, num_stages=3)
-    elif fmt == INT4 and block_m == 1:  # the word path (dp4a)
-        cfg = dict(BLOCK_N=16, BLOCK_K=1024, num_warps=4, num_stages=3)
+    elif fmt == INT4 and block_m == 1:  # the word path (dp4a); narrow outputs split K
+        cfg = dict(BLOCK_N=16 if N >= K else 64, BLOCK_K=1024, num_warps=4 if N >= K else 8,
+                   num_stages=3)  # fmt: skip
     elif fmt == INT4:
         cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
     else:
