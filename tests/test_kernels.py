@@ -155,6 +155,25 @@ def test_one_row_int4_has_only_the_word_path():
         )
 
 
+def test_one_row_int4_quantizes_x_like_its_reference():
+    # One row of int4 runs on dp4a: x rounded to int8 per block of 32 (scale max|x| / 127).
+    # Blocks whose max is 127 put x * 127 / max on exact halves: both round them to even.
+    x = torch.randn(1, 256)
+    x[0, :64] = torch.tensor([127.0, 2.5, 3.5, -2.5, -3.5, 0.5, -0.5, 126.5] * 8)
+    q = kernels.activation_int8_reference(x)
+    assert q[0, :8].tolist() == [127.0, 2.0, 4.0, -2.0, -4.0, 0.0, -0.0, 126.0]
+    err = (q - x).abs().reshape(8, 32).amax(1) / x.abs().reshape(8, 32).amax(1)
+    assert (err <= 0.5 / 127 + 1e-7).all()  # half a step of each block's scale at most
+    w = make(kernels.INT4, 48, 256)
+    x = x.to(DEVICE)
+    ref = kernels.gemv_reference(x, fmt=kernels.INT4, **w)
+    exact = x @ kernels.gemv_reference(torch.eye(256, device=DEVICE), fmt=kernels.INT4, **w)
+    assert not torch.allclose(ref, exact, rtol=1e-4, atol=1e-4)  # the rounding is visible
+    cfg = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=2)
+    got = kernels.gemv(x, fmt=kernels.INT4, config=cfg, **w)
+    torch.testing.assert_close(got, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", sorted(FMTS))
 @pytest.mark.parametrize("glu", [False, True])
 def test_expert_gemv_reads_each_rows_expert(fmt, glu):
