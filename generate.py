@@ -13,6 +13,7 @@ import os
 import pickle
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -92,6 +93,23 @@ def prefill(
     return sample(logits, **sampling)[0]
 
 
+def read_later(t: Tensor) -> Callable[[], list]:
+    # -> a function that returns t's values as a list. On CUDA the copy to (pinned) host memory
+    # is queued now and the function waits for it alone: t.tolist() later would also wait for
+    # every step launched after t, and the GPU would idle while the host launches the next.
+    if t.device.type != "cuda":
+        return t.tolist
+    host = t.to("cpu", non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> list:
+        copied.synchronize()
+        return host.tolist()
+
+    return read
+
+
 def decode_one_token(
     model: Transformer, x: Tensor, input_pos: Tensor, pad: Tensor | None, **sampling
 ) -> Tensor:
@@ -136,25 +154,28 @@ def generate(
     from_zero = start_pos == 0 and pad is None
     token = prefill_fn(model, prompt, input_pos, pad, from_zero, **sampling).clone()  # [B, 1]
     watch = bool(stop_ids) or on_token is not None
-    stop = torch.tensor(sorted(stop_ids) or [-1], device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
+    done = [False] * B
     out = [token]
+    read = read_later(token[:, 0]) if watch else None
     pos = torch.tensor([start_pos + T], device=device)
     for _ in range(max_new_tokens - 1):
         # Launch step i+1 before looking at token i on the host, so the check overlaps the GPU.
         nxt = decode_fn(model, token, pos, pad, **sampling).clone()  # CUDA graphs reuse outputs
         pos += 1
         if watch:
-            done |= torch.isin(token[:, 0], stop)
+            read_nxt = read_later(nxt[:, 0])
+            ids = read()  # waits for step i only, not for step i+1 queued behind it
+            done = [d or t in stop_ids for d, t in zip(done, ids)]
             if on_token is not None:
-                on_token(token[:, 0].tolist())
-            if bool(done.all()):
+                on_token(ids)
+            if all(done):
                 break
+            read = read_nxt
         out.append(nxt)
         token = nxt
     else:
         if on_token is not None:
-            on_token(token[:, 0].tolist())
+            on_token(read())
     tokens = torch.cat(out, dim=1).tolist()  # [B, n]
     for row in tokens:
         cut = next((i for i, t in enumerate(row) if t in stop_ids), None)
@@ -262,7 +283,7 @@ def load_model(
 def setup_for_device(model: Transformer, device, use_kernels: bool = True) -> Transformer:
     # On CUDA, decode-sized matmuls and attention go to fastgen's Triton kernels.
     if torch.device(device).type == "cuda" and use_kernels:
-        import kernels
+        import fastgen_kernels as kernels
 
         kernels.use_kernels(model)
     return model

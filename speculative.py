@@ -59,6 +59,7 @@ from generate import (
     logits_to_probs,
     prefill,
     read_config,
+    read_later,
     sample,
 )
 from model import ConfigError, Transformer
@@ -341,32 +342,36 @@ def plain_steps(
 ) -> list[int]:
     # Up to n target-only steps after history[-1], cut after a stop token, or once until(out)
     # is true for the tokens so far. As in generate.generate, step i+1 is launched before token
-    # i is read, so the host's look at each token overlaps the device's next step; when until
-    # fires, the token already in flight is kept and judged too.
+    # i is read (read_later: without waiting for step i+1), so the host's look at each token
+    # overlaps the device's next step; when until fires, the token already in flight is kept and
+    # judged too.
     pos = torch.tensor([len(history) - 1], device=spec.target.freqs_cis.device)
-    token = torch.tensor([history[-1:]], device=pos.device)  # [1, 1]
-    nxt = spec.decode_fn(spec.target, token, pos, None, **sampling).clone()
     out: list[int] = []
 
-    def take(t: Tensor) -> bool:  # True when t is a stop token
-        out.append(int(t))
+    def launch(token: Tensor) -> tuple[Tensor, Callable]:  # token [1, 1] -> the next, its reader
+        nxt = spec.decode_fn(spec.target, token, pos, None, **sampling).clone()
+        return nxt, read_later(nxt[0])
+
+    def take(read: Callable) -> bool:  # True when the token read is a stop token
+        out.extend(read())
         if on_token is not None:
             on_token(out[-1:])
         return out[-1] in stop_ids
 
+    nxt, read_nxt = launch(torch.tensor([history[-1:]], device=pos.device))
     while len(out) < n:
-        token = nxt  # not read yet; its successor not launched yet
+        read = read_nxt  # token nxt: not read yet, its successor not launched yet
         launched = len(out) + 1 < n
         if launched:
             pos += 1
-            nxt = spec.decode_fn(spec.target, token, pos, None, **sampling).clone()
-        if take(token) or not launched:
+            nxt, read_nxt = launch(nxt)
+        if take(read) or not launched:
             break
         if until is not None and until(out):
-            if take(nxt) or until(out) or len(out) >= n:
+            if take(read_nxt) or until(out) or len(out) >= n:
                 break
             pos += 1  # the in-flight token broke the match: go on after it
-            nxt = spec.decode_fn(spec.target, nxt, pos, None, **sampling).clone()
+            nxt, read_nxt = launch(nxt)
     return out
 
 

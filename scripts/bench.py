@@ -403,7 +403,7 @@ def gemv_shapes(config: ModelArgs) -> dict:
 
 
 def make_weight(fmt, N, K, device, groupsize=32):
-    import kernels
+    import fastgen_kernels as kernels
 
     if fmt == kernels.FLOAT:
         return dict(weight=torch.randn(N, K, device=device, dtype=torch.bfloat16))
@@ -435,7 +435,7 @@ def layer_fusion(layer: str, K: int, device) -> dict:
 def bench_gemv(fmt, N, K, device, bandwidth, config=None, groupsize=32, rows=1, fusion=None):
     # Achieved read bandwidth of one GEMV (with its layer's fusion), weights rotated through
     # copies larger than L2.
-    import kernels
+    import fastgen_kernels as kernels
 
     fused = dict(fusion or {})
     one = make_weight(fmt, N, K, device, groupsize)
@@ -479,7 +479,7 @@ PREFILL_LAYERS = ("wo", "w13")
 def bench_kernels(models, device, bandwidth, sweep=False, modes=None):
     # Each GEMV of the models alone, in the given modes (default: all); a sweep tries many
     # launch configurations per shape and keeps the best.
-    import kernels
+    import fastgen_kernels as kernels
 
     fmts = {
         "bf16": kernels.FLOAT,
@@ -525,7 +525,7 @@ def bench_kernels(models, device, bandwidth, sweep=False, modes=None):
 def bench_prefill(models, device, rows_list, peak_tflops=None) -> list:
     # Quantized weights against many rows (prefill): gemv's GEMM tiles, which dequantize each
     # tile in registers, against dequantizing the whole weight for a cuBLAS matmul, per layer.
-    import kernels
+    import fastgen_kernels as kernels
     import quantize
 
     plain = {kernels.INT8: quantize.int8_linear, kernels.FP8: quantize.fp8_linear}
@@ -569,7 +569,7 @@ def bench_prefill(models, device, rows_list, peak_tflops=None) -> list:
 def sweep_configs(fmt, N, K, groupsize=32):
     # The launch parameters that matter most: rows per program, columns per step, warps; for
     # int8 also the element-wise path against the 32-bit-word one. The default comes first.
-    import kernels
+    import fastgen_kernels as kernels
 
     default = kernels.gemv_config(fmt, 1, N, K, groupsize)
     if fmt == kernels.FLOAT:

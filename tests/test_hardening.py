@@ -415,3 +415,15 @@ def test_out_of_memory_past_the_estimate_is_one_line(tiny, monkeypatch):
     assert isinstance(code, str) and "\n" not in code and not out
     assert code.startswith("error: out of GPU memory: CUDA out of memory. Tried to allocate 2.00")
     assert "1.06 GiB is free" in code and "--max_seq_length" in code and "int4" in code
+
+
+def test_no_script_shadows_an_installed_package():
+    # Scripts run from the repository root put it first on sys.path, so a file here named like
+    # an installed package's import name (transformers imports Hugging Face's `kernels`) would be
+    # imported in its place and break that package. None of ours may share a name.
+    import importlib.metadata
+
+    installed = importlib.metadata.packages_distributions()
+    ours = {p.stem for p in ROOT.glob("*.py")} | {p.name for p in ROOT.iterdir() if p.is_dir()}
+    clashes = {name: installed[name] for name in ours if name in installed}
+    assert not clashes, f"repository modules shadow installed packages: {clashes}"

@@ -1,9 +1,9 @@
-# kernels.py against its plain-PyTorch references: under Triton's interpreter on CPU (small
+# fastgen_kernels.py against its plain-PyTorch references: under Triton's interpreter on CPU (small
 # shapes) and on the GPU (marked gpu: real shapes, odd sizes, poisoned outputs).
 import pytest
 import torch
 
-kernels = pytest.importorskip("kernels")
+kernels = pytest.importorskip("fastgen_kernels")
 if kernels.triton is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 

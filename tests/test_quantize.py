@@ -270,7 +270,7 @@ def test_cpu_checkpoint_runs_the_same_on_cuda(tiny_untied, tmp_path, mode, group
     # bfloat16 the way generate.py loads it (kernels on) stays near the float32 result. The
     # kernels read the stored int4 format, so no second (tinygemm) copy of the weight is kept.
     model16 = load_model(path, "cuda", torch.bfloat16)
-    head = getattr(model16.output, "linear", model16.output)  # kernels.py wraps it
+    head = getattr(model16.output, "linear", model16.output)  # fastgen_kernels.py wraps it
     if mode == "int4":
         assert getattr(head, "tinygemm_weight", None) is None
     got16 = logits_of(model16, ids.cuda()).float().cpu()

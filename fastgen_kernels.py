@@ -9,6 +9,9 @@
 # Each has a plain-PyTorch reference (`*_reference`) that runs on CPU and is what tests compare
 # against. `use_kernels(model)` swaps them into a loaded model on CUDA.
 #
+# Not named kernels.py: that is the import name of Hugging Face's `kernels` package, which
+# transformers (so lm_eval, so eval.py) imports, and a file here would shadow it.
+#
 # Quantized weights come in quantize.py's stored formats, read as they are: no repacking.
 import os
 
