@@ -1,5 +1,5 @@
 # Without a GPU, Triton kernels run in Triton's interpreter (on CPU tensors), so the kernel code
-# itself is tested here too, not only its PyTorch reference. Must be set before fastgen_kernels imports.
+# itself is tested here too, not only its PyTorch reference. Set before fastgen_kernels imports.
 import os
 
 import torch
