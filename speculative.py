@@ -84,6 +84,7 @@ class SpecStats:
     k: int
     accepted: list[int]  # accepted[n]: verify steps that kept n of their k proposals
     plain_tokens: int = 0  # tokens from target-only steps (no n-gram match, adaptive fallback)
+    plain_seconds: float = 0.0  # time those steps took
     tokens: int = 0  # all new tokens, the one from prefill included
     seconds: float = 0.0
 
@@ -448,8 +449,10 @@ def generate(
 
     def plain(n: int, until=None) -> bool:
         # Each token is kept as it is read, so until() sees it in history already.
+        t0 = time.perf_counter()
         got = plain_steps(spec, history, n, stop_ids, keep, sampling, until)
         stats.plain_tokens += len(got)
+        stats.plain_seconds += time.perf_counter() - t0  # plain_steps ends on a read: synced
         return bool(new) and (new[-1] in stop_ids or len(new) >= max_new_tokens)
 
     input_pos = torch.arange(len(history), device=prompt.device)
@@ -508,6 +511,7 @@ def report(spec: Speculator) -> None:
     log(
         f"speculative ({kind}, k={s.k}): {s.verify_steps} verify steps kept n proposals "
         f"[{histogram}]; mean kept {s.mean_accepted:.2f} of {s.k} "
-        f"({s.mean_accepted + 1:.2f} tokens per verify); {s.plain_tokens} tokens from plain steps; "
+        f"({s.mean_accepted + 1:.2f} tokens per verify); {s.plain_tokens} tokens from plain steps "
+        f"in {s.plain_seconds:.2f} s; "
         f"{s.tokens} tokens in {s.seconds:.2f} s, {s.tokens / max(s.seconds, 1e-9):.2f} tok/s"
     )

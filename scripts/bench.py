@@ -281,7 +281,7 @@ def speculative_rate(sp, prompt, new_tokens, samples, stop_ids=frozenset(), **sa
     import speculative
 
     speculative.generate(sp, prompt, new_tokens, stop_ids=stop_ids, **sampling)
-    rates, kept, plain, lengths = [], [], [], []
+    rates, kept, plain, lengths, runs = [], [], [], [], []
     for _ in range(samples):
         speculative.generate(sp, prompt, new_tokens, stop_ids=stop_ids, **sampling)
         s = sp.stats
@@ -289,13 +289,16 @@ def speculative_rate(sp, prompt, new_tokens, samples, stop_ids=frozenset(), **sa
         kept.append(s.mean_accepted)
         plain.append(s.plain_tokens / max(s.tokens, 1))
         lengths.append(s.tokens)
+        # Where the time went: plain steps, and the rest (prefill, speculative rounds).
+        runs.append(dict(seconds=s.seconds, plain_tokens=s.plain_tokens,
+                         plain_seconds=s.plain_seconds, histogram=s.accepted))  # fmt: skip
     return dict(
         tokens=statistics.mean(lengths),
         tok_s=statistics.mean(rates),
         mean_kept=statistics.mean(kept),
         k=sp.k,
         plain_fraction=statistics.mean(plain),
-        histogram=sp.stats.accepted,
+        runs=runs,
     )
 
 

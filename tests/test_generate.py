@@ -69,6 +69,50 @@ def test_compiled_decode_equals_eager():
     assert generate(model, prompt, 8, temperature=0, **steps)[0] == eager
 
 
+def test_short_prompt_prefill_by_steps_equals_prefill():
+    # With --compile a short prompt goes through the decode step token by token: the same first
+    # token and the same cache as one prefill forward, batched and left-padded rows included.
+    from functools import partial
+
+    from generate import SHORT_PROMPT, decode_one_token, prefill, prefill_by_steps
+
+    model = random_model(num_key_value_heads=2)
+    by_steps = partial(prefill_by_steps, decode_one_token)
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (SHORT_PROMPT, 3)]
+    x, pad = left_pad(prompts, "cpu")
+    for start in (0, 5):  # a fresh cache, and a prompt after earlier turns
+        pos = torch.arange(start, start + x.shape[1])
+        caches = []
+        firsts = []
+        for fn in (prefill, by_steps):
+            model.setup_caches(2, 64)
+            torch.manual_seed(0)
+            with torch.no_grad():
+                if start:  # the earlier turns: the same tokens in both
+                    prefill(model, torch.ones(2, start, dtype=torch.long), torch.arange(start),
+                            pad, temperature=0.0, top_k=None, top_p=1.0)  # fmt: skip
+                firsts.append(fn(model, x, pos, pad, start == 0, temperature=0.0, top_k=None,
+                                 top_p=1.0))  # fmt: skip
+            layer = model.layers[-1].attention.kv_cache
+            caches.append((layer.k_cache.clone(), layer.v_cache.clone()))
+        assert firsts[0].tolist() == firsts[1].tolist()
+        for a, b in zip(caches[0], caches[1]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # Longer prompts take prefill itself.
+    long = torch.randint(0, 128, (1, SHORT_PROMPT + 1))
+    model.setup_caches(1, 64)
+    calls = []
+
+    def counting_step(*args, **kwargs):
+        calls.append(1)
+        return decode_one_token(*args, **kwargs)
+
+    with torch.no_grad():
+        prefill_by_steps(counting_step, model, long, torch.arange(long.shape[1]), None, True,
+                         temperature=0.0, top_k=None, top_p=1.0)  # fmt: skip
+    assert not calls
+
+
 def test_sampling_filters():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
     p = logits_to_probs(logits, 1.0, top_k=2)

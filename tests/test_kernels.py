@@ -174,6 +174,24 @@ def test_one_row_int4_quantizes_x_like_its_reference():
     torch.testing.assert_close(got, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
 
 
+def test_one_row_int4_divides_like_its_reference():
+    # x * 127 / max lands next to halves in blocks whose max has all sorts of mantissas: were
+    # the kernel's reciprocal of max one unit in the last place off the IEEE one, some products
+    # would round the other way (each such flip moves the output ~20x the tolerance).
+    g = torch.Generator().manual_seed(7)
+    blocks = 8192 if GPU else 128
+    top = 0.5 + 1.5 * torch.rand(blocks, 1, generator=g)  # [blocks, 1] each block's max
+    n = torch.randint(-126, 126, (blocks, 32), generator=g).float()
+    x = (n + 0.5) / 127 * top  # [blocks, 32], |x| < top
+    x[:, 0] = top[:, 0]
+    x = x.reshape(1, -1).to(DEVICE)
+    w = make(kernels.INT4, 48, blocks * 32)
+    ref = kernels.gemv_reference(x, fmt=kernels.INT4, **w)
+    cfg = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=1024, SPLIT_K=1, num_warps=4, num_stages=2)
+    got = kernels.gemv(x, fmt=kernels.INT4, config=cfg, **w)
+    torch.testing.assert_close(got, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", sorted(FMTS))
 @pytest.mark.parametrize("glu", [False, True])
 def test_expert_gemv_reads_each_rows_expert(fmt, glu):
