@@ -302,6 +302,21 @@ def load_model(
     return setup_for_device(model.eval(), device, use_kernels)
 
 
+def load_for_rank(
+    checkpoint_path: Path,
+    device: torch.device | str,
+    precision: torch.dtype,
+    use_kernels: bool = True,
+    moe_parallel: str = "tensor",
+) -> Transformer:
+    # load_model, and under torchrun this rank's shard of it: each rank loads on the CPU (mmap)
+    # and keeps its shard, so a GPU never holds the whole model.
+    rank, world = tp.rank_and_world()
+    model = load_model(checkpoint_path, device if world == 1 else "cpu", precision, False)
+    model = tp.apply_tp(model, rank, world, device, moe_parallel=moe_parallel)
+    return setup_for_device(model, device, use_kernels)
+
+
 def setup_for_device(model: Transformer, device, use_kernels: bool = True) -> Transformer:
     # On CUDA, decode-sized matmuls and attention go to fastgen's Triton kernels.
     if torch.device(device).type == "cuda" and use_kernels:
@@ -607,11 +622,7 @@ def main(
         tp.sync_seed(seed)  # under torchrun, one seed on every rank: all sample the same
         t0 = time.perf_counter()
         tok = get_tokenizer(checkpoint_path.parent)
-        # Under torchrun each rank loads on the CPU (mmap) and keeps its shard: a GPU never
-        # holds the whole model.
-        model = load_model(checkpoint_path, dev if world == 1 else "cpu", dtype, use_kernels=False)
-        model = tp.apply_tp(model, rank, world, dev, moe_parallel=moe_parallel)
-        model = setup_for_device(model, dev, kernels)
+        model = load_for_rank(checkpoint_path, dev, dtype, kernels, moe_parallel)
         log(f"loaded {checkpoint_path} in {time.perf_counter() - t0:.2f} s")
         run_main(**locals())
     except (UserError, CheckpointError, ConfigError, TokenizerError, tp.TPError) as e:
@@ -649,6 +660,7 @@ def run_main(
     speculate_ngram,
     draft_checkpoint_path,
     max_seq_length,
+    kernels,
     **_,
 ):
     block_size = model.config.block_size
@@ -706,6 +718,7 @@ def run_main(
                 max_seq_len,
                 compile,
                 batch_size=len(rows),
+                use_kernels=kernels,
             )
         except spec.SpeculativeError as e:  # raised through the module `generate`, not __main__
             raise UserError(str(e)) from e

@@ -50,11 +50,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+import tp
 from generate import (
     CheckpointError,
     compile_steps,
     decode_one_token,
-    load_model,
+    load_for_rank,
     log,
     logits_to_probs,
     prefill,
@@ -252,10 +253,12 @@ def setup(
     batch_size: int = 1,
     adaptive: bool = True,
     draft: Transformer | None = None,
+    use_kernels: bool = True,
 ) -> Speculator:
     # model: the target, its caches set up for max_seq_len. A draft checkpoint is loaded in the
-    # target's dtype, after its tokenizer is checked against tok. draft: an already loaded draft
-    # model instead (benchmarks, tests), whose tokenizer the caller vouches for.
+    # target's dtype (under torchrun, sharded like the target), after its tokenizer is checked
+    # against tok. draft: an already loaded draft model instead (benchmarks, tests), whose
+    # tokenizer the caller vouches for.
     if batch_size != 1:
         raise SpeculativeError(f"speculative decoding takes one prompt at a time, not {batch_size}")
     if speculate_k < 1:
@@ -274,8 +277,10 @@ def setup(
         check_tokenizers(tok, model, draft_checkpoint_path)
         t0 = time.perf_counter()
         try:
-            draft = load_model(draft_checkpoint_path, device, model.norm.weight.dtype)
-        except (CheckpointError, ConfigError) as e:
+            draft = load_for_rank(
+                draft_checkpoint_path, device, model.norm.weight.dtype, use_kernels
+            )
+        except (CheckpointError, ConfigError, tp.TPError) as e:
             raise SpeculativeError(f"draft: {e}") from e
         log(f"loaded draft {draft_checkpoint_path} in {time.perf_counter() - t0:.2f} s")
     if draft is not None:
@@ -493,7 +498,8 @@ def generate(
         spec.steps_seen += 1
         if spec.steps_seen > WARMUP_STEPS:
             window.append((made, time.perf_counter() - t0))
-        plain_left = verdict(spec, window)
+        # Under torchrun every rank must take the same branch, and each has its own clock.
+        plain_left = tp.rank0_int(verdict(spec, window), prompt.device)
     stats.tokens = len(new)
     stats.seconds = time.perf_counter() - start
     return [new]

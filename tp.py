@@ -119,6 +119,17 @@ def sync_seed(seed: int | None) -> int | None:
     return seed
 
 
+def rank0_int(n: int, device: torch.device | str) -> int:
+    # n as rank 0 has it, on every rank (one broadcast; device: this rank's, as the process
+    # group's backend needs); n itself without a process group. For choices each rank would make
+    # from its own clock, such as speculative decoding's fallback, which all must make alike.
+    if rank_and_world()[1] == 1:
+        return n
+    t = torch.tensor([n], device=device)
+    dist.broadcast(t, src=0)
+    return int(t)
+
+
 def _shutdown():
     # Close the process group, but never wait on it for long: with a peer gone, NCCL's destroy
     # can block. Runs at exit (atexit) and before dying of an exception.

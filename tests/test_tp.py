@@ -196,6 +196,31 @@ def check_logits(out_dir: Path):
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
 
 
+def check_speculative(out_dir: Path):
+    # Greedy speculative decoding with target and draft both sharded, and prompt lookup on the
+    # sharded target: the unsharded model's plain greedy tokens. Each rank's fallback verdict is
+    # made to differ (rank 0 falls back for 2 plain tokens after every round, the others never):
+    # all must follow rank 0, or their collectives would not pair up.
+    import speculative
+    import tp
+    from generate import generate
+
+    rank, world = tp.maybe_init_distributed("cpu")
+    target = build_model(CONFIGS[world]["gqa"], "float32")
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    sharded = tp.apply_tp(copy.deepcopy(target), rank, world)
+    sharded.setup_caches(1, 64)
+    target.setup_caches(1, 64)
+    report = {"want": generate(target, prompt, 24, temperature=0)[0]}
+    draft = tp.apply_tp(build_model(CONFIGS[world]["gqa"], "int8"), rank, world)
+    speculative.verdict = lambda spec, window: 2 if rank == 0 and window else 0
+    for kind, ngram, d in (("draft", None, draft), ("ngram", 2, None)):
+        sp = speculative.setup(sharded, None, None, 3, ngram, "cpu", 64, False, draft=d)
+        report[kind] = speculative.generate(sp, prompt, 24, temperature=0)[0]
+        report[f"{kind}_steps"] = [sp.stats.plain_tokens, sp.stats.verify_steps]
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+
+
 def check_failure(out_dir: Path):
     # Rank 1 dies of a bug while rank 0 waits for it in an all-reduce.
     import torch.distributed as dist
@@ -336,6 +361,33 @@ def test_generate_under_torchrun_prints_single_process_text_once(tmp_path, capsy
     assert proc.stderr.count("loaded ") == 1  # logs from rank 0 alone
 
 
+def test_speculative_with_both_models_sharded(tmp_path):
+    world = 2
+    assert_all_ok(launch("speculative", world, tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for kind in ("draft", "ngram"):
+        assert ranks[0][kind] == ranks[0]["want"], kind
+        # the same branches on every rank: rank 0's fallbacks, taken by rank 1 too
+        assert ranks[1][f"{kind}_steps"] == ranks[0][f"{kind}_steps"], kind
+        plain, verify = ranks[0][f"{kind}_steps"]
+        assert plain > 0 and verify > 0, kind
+    assert ranks[1]["draft"] == ranks[0]["draft"]
+
+
+def test_speculative_generate_under_torchrun_prints_plain_text(tmp_path, capsys):
+    # generate.py --draft_checkpoint_path under torchrun: target and draft sharded over 2 ranks.
+    from helpers import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint(tmp_path, **BASE, num_key_value_heads=2)
+    args = ["--checkpoint_path", str(checkpoint), "--device", "cpu", "--temperature", "0",
+            "--max_new_tokens", "24", "--prompt", "Hello, my name is"]  # fmt: skip
+    want = single_process(capsys, *args)
+    proc = torchrun(2, *args, "--draft_checkpoint_path", str(checkpoint), "--speculate_k", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert want.strip() and proc.stdout == want
+    assert "speculative (draft model, k=3)" in proc.stderr
+
+
 def test_real_model_three_ranks_greedy(tmp_path, capsys):
     # SmolLM2-135M: 9 heads and 3 kv heads over 3 ranks; a padded batch of three prompts.
     from helpers import smollm2_gguf
@@ -358,4 +410,5 @@ def test_real_model_three_ranks_greedy(tmp_path, capsys):
 
 
 if __name__ == "__main__":
-    {"logits": check_logits, "failure": check_failure}[sys.argv[1]](Path(sys.argv[2]))
+    checks = {"logits": check_logits, "failure": check_failure, "speculative": check_speculative}
+    checks[sys.argv[1]](Path(sys.argv[2]))
