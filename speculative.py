@@ -54,11 +54,9 @@ import tp
 from generate import (
     CheckpointError,
     compile_steps,
-    decode_one_token,
     load_for_rank,
     log,
     logits_to_probs,
-    prefill,
     read_config,
     read_later,
     sample,
@@ -108,6 +106,7 @@ class Speculator:
     verify_fn: Callable
     draft_fn: Callable
     decode_fn: Callable
+    prefill_fn: Callable
     adaptive: bool = True
     stats: SpecStats | None = None  # of the latest generate()
     # Adaptive state, kept across calls: costs do not change with the prompt.
@@ -285,12 +284,12 @@ def setup(
         log(f"loaded draft {draft_checkpoint_path} in {time.perf_counter() - t0:.2f} s")
     if draft is not None:
         draft.setup_caches(1, max_seq_len)
-    verify_fn, draft_fn, decode_fn = verify, draft_step, decode_one_token
+    verify_fn, draft_fn = verify, draft_step
+    steps = compile_steps(compile, compile_prefill=False)  # short prompts through decode_fn
     if compile:
         # Static shapes: verify always sees k+1 tokens; the draft 2 (a round's first step) or 1.
         verify_fn = torch.compile(verify, mode="reduce-overhead", fullgraph=True, dynamic=False)
         draft_fn = torch.compile(draft_step, mode="reduce-overhead", fullgraph=True, dynamic=False)
-        decode_fn = compile_steps(compile=True, compile_prefill=False)["decode_fn"]
     return Speculator(
         target=model,
         draft=draft,
@@ -298,7 +297,8 @@ def setup(
         ngram=speculate_ngram,
         verify_fn=verify_fn,
         draft_fn=draft_fn,
-        decode_fn=decode_fn,
+        decode_fn=steps["decode_fn"],
+        prefill_fn=steps["prefill_fn"],
         adaptive=adaptive,
     )
 
@@ -461,7 +461,7 @@ def generate(
         return bool(new) and (new[-1] in stop_ids or len(new) >= max_new_tokens)
 
     input_pos = torch.arange(len(history), device=prompt.device)
-    first = prefill(target, prompt, input_pos, None, from_zero=True, **sampling)
+    first = spec.prefill_fn(target, prompt, input_pos, None, True, **sampling)
     done = keep([int(first)])
     ngrams = NgramIndex(spec.ngram) if spec.ngram else None
     draft_valid = 0  # draft cache slots [0, draft_valid) hold the right keys and values
