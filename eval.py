@@ -52,10 +52,9 @@ from generate import (
     compile_steps,
     generate,
     left_pad,
-    load_model,
+    load_for_rank,
     log,
     pick_device,
-    setup_for_device,
     sync,
 )
 from model import ConfigError, Transformer
@@ -456,7 +455,7 @@ def main(
         if bench_batching is not None and bench_batching < 1:
             raise UserError(f"--bench_batching must be >= 1, got {bench_batching}")
         dev = pick_device(device)
-        rank, world = tp.maybe_init_distributed(dev)  # torchrun: one rank per GPU
+        tp.maybe_init_distributed(dev)  # torchrun: one rank per GPU
         if checkpoint_path is None:
             checkpoint_path = DEFAULT_CHECKPOINT
             if not checkpoint_path.is_file():
@@ -473,17 +472,12 @@ def main(
 
         t0 = time.perf_counter()
         tok = get_tokenizer(checkpoint_path.parent)
-        # Under torchrun each rank loads on the CPU (mmap) and keeps its shard of the model.
-        model = load_model(checkpoint_path, dev if world == 1 else "cpu", dtype, use_kernels=False)
-        model = setup_for_device(tp.apply_tp(model, rank, world, dev), dev)
+        model = load_for_rank(checkpoint_path, dev, dtype)
         log(f"loaded {checkpoint_path} in {time.perf_counter() - t0:.2f} s")
         block_size = model.config.block_size
         max_seq_len = max_seq_length or min(block_size, DEFAULT_MAX_SEQ_LENGTH)
         if not 1 < max_seq_len <= block_size:
             raise UserError(f"--max_seq_length must be in [2, {block_size}], got {max_seq_len}")
-        if compile:
-            torch._inductor.config.coordinate_descent_tuning = True
-            torch._inductor.config.fx_graph_cache = True
         lm = FastgenLM(model, tok, dev, max_seq_len, batch_size, compile)
 
         if bench_batching is not None:
