@@ -473,12 +473,12 @@ def generate(
         if plain_left or room <= k:
             # Adaptive fallback, or too near the cache's end for k+1 slots.
             n = min(plain_left or left, left)
-            t0, count = time.perf_counter(), len(new)
+            tokens0, seconds0 = stats.plain_tokens, stats.plain_seconds
             done = plain(n)
             if done and plain_left > n:
                 spec.plain_pending = plain_left - n
             if plain_left and spec.bursts_seen:
-                rate = (len(new) - count) / (time.perf_counter() - t0)
+                rate = (stats.plain_tokens - tokens0) / (stats.plain_seconds - seconds0)
                 spec.plain_rate = rate if spec.plain_rate is None else (spec.plain_rate + rate) / 2
             spec.bursts_seen += plain_left > 0
             plain_left = 0
