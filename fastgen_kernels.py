@@ -479,9 +479,11 @@ def dependent_launch(x: Tensor) -> dict:
     return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
 
 
-def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0) -> dict:
-    # Launch parameters by shape, from the sweep in scripts/bench.py (--sweep) on an H200:
-    # enough 16-byte loads in flight per SM and enough programs to cover its 132 SMs.
+def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: int = 0) -> dict:
+    # Launch parameters by shape, from the sweeps in scripts/bench.py (--sweep) on an H200:
+    # enough 16-byte loads in flight per SM and enough programs to cover its 132 SMs. experts:
+    # the rows of an expert GEMV (each its own expert's weights, M is then 1), which multiply
+    # the programs.
     if M > MAX_GEMV_ROWS:  # prefill of a quantized weight: GEMM tiles, an int4 one per group
         block_m = 64 if M > 32 else 32
         block_k = groupsize if fmt == INT4 else 64
@@ -494,27 +496,41 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0) -> dict:
     block_m = 1 if M == 1 else 16
     if fmt == INT8 and block_m == 1:  # the word path; from the sweep (76% on 22016x4096)
         cfg = dict(BLOCK_N=8, BLOCK_K=1024 if N > 3 * K else 2048, num_warps=4, num_stages=3)
-    elif fmt == INT4 and block_m == 1:  # the word path (dp4a); narrow outputs split K
-        # From the sweep on Llama-2-7B: 53-61% of read bandwidth where N > K, 31% on
-        # 4096x4096 (8.1 us), 41% on w2 (split 4).
-        if N > K:
-            cfg = dict(BLOCK_N=16, BLOCK_K=1024, num_warps=4, num_stages=3)
+    elif fmt == INT4 and block_m == 1:  # the word path (dp4a)
+        # Session 7's sweep (Llama-2-7B, Llama-3.1-8B and Mixtral expert shapes, with their
+        # fusions): w2 4096x11008 12.1 us (56%) against 14.7 with 64 rows split 4 ways, Mixtral's
+        # two w2 experts 30 against 51 us, wo g32 5.9 against 6.8 us, 8B's wqkv 7.6 against
+        # 10.4 us, Mixtral's two w13 experts 43 against 50 us.
+        if N < K:
+            cfg = dict(BLOCK_N=16, BLOCK_K=2048, num_warps=8)
+        elif N == K:
+            cfg = dict(BLOCK_N=8 if groupsize < 64 else 16, BLOCK_K=2048,
+                       num_warps=4 if groupsize < 64 else 8)  # fmt: skip
+        elif experts:
+            cfg = dict(BLOCK_N=8, BLOCK_K=2048, num_warps=4)
         else:
-            cfg = dict(BLOCK_N=16 if N == K else 64, BLOCK_K=2048 if N == K else 1024,
-                       num_warps=8, num_stages=3)  # fmt: skip
+            cfg = dict(BLOCK_N=16, BLOCK_K=2048 if N < 2 * K else 1024, num_warps=4)
+        cfg["num_stages"] = 3
     elif fmt == INT4:
         cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
+    elif N <= 64 and block_m == 1:  # a router's few rows: one program reads the whole weight
+        cfg = dict(BLOCK_N=8, BLOCK_K=2048, num_warps=8, num_stages=3)
     else:
         cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
     if block_m > 1:
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], 16)
-    return dict(cfg, BLOCK_M=block_m, SPLIT_K=split_k(N, K, cfg["BLOCK_N"], cfg["BLOCK_K"]))
+    split = split_k(N, K, cfg["BLOCK_N"], cfg["BLOCK_K"], max(experts, 1))
+    return dict(cfg, BLOCK_M=block_m, SPLIT_K=split)
 
 
-def split_k(N: int, K: int, block_n: int, block_k: int) -> int:
+def split_k(N: int, K: int, block_n: int, block_k: int, rows: int = 1) -> int:
     # Split K only when the output is too narrow to give every SM a program: the atomics need
-    # a zeroed float32 output and a cast, two more kernels.
-    programs = triton.cdiv(N, block_n)
+    # a zeroed float32 output and a cast, two more kernels, which cost more than a weight of
+    # under a million elements takes to read (a router: 8x4096 bf16 with RMSNorm, 3.2 us in one
+    # program against 4.6 split 4 ways). rows: independent rows sharing the grid (experts).
+    if N * K < 1 << 20:
+        return 1
+    programs = triton.cdiv(N, block_n) * rows
     split = 1
     while programs * split < 132 and K // (split * 2) >= 2 * block_k:
         split *= 2
@@ -570,7 +586,9 @@ def _gemv_launch(
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M = x2.shape[0]
     # Experts: one program row per row of x, each a one-row GEMV against its own expert.
-    cfg = dict(config or gemv_config(fmt, 1 if expert_idx is not None else M, N, K, groupsize))
+    if config is None and expert_idx is not None:
+        config = gemv_config(fmt, 1, N, K, groupsize, experts=M)
+    cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
     split_k = cfg["SPLIT_K"]
     if split_k > 1:
         y = torch.zeros(M, N, device=x.device, dtype=torch.float32)

@@ -130,6 +130,26 @@ def test_sampling_filters():
     assert generate(model, torch.tensor([[1, 2]]), 6, temperature=1.0, top_k=1)[0] == greedy
 
 
+def test_top_k_sampling_draws_from_logits_to_probs():
+    # sample's top_k shortcut (the race among the top_k values only) against the distribution
+    # logits_to_probs defines: the probs it returns, and 40000 draws by a chi-square test.
+    from scipy.stats import chisquare
+
+    from generate import sample
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 1, 64, generator=g) * 2
+    want = logits_to_probs(logits[:, -1], 0.7, top_k=6)[0]
+    torch.manual_seed(1)
+    tokens, probs = sample(logits.expand(40000, 1, 64), 0.7, top_k=6)
+    torch.testing.assert_close(probs[0], want, rtol=1e-6, atol=1e-7)
+    counts = torch.bincount(tokens.flatten(), minlength=64).double()
+    assert counts[want == 0].sum() == 0  # never outside the top 6
+    kept = want > 0
+    expected = want[kept].double() / want[kept].double().sum() * 40000
+    assert chisquare(counts[kept], expected).pvalue > 1e-3
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------

@@ -181,6 +181,23 @@ def test_prefill_then_decode_equals_full_forward(hf_and_ours):
         assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("E,k", [(8, 2), (8, 1), (16, 4)])
+def test_route_picks_and_weights_as_topk_does(E, k):
+    # route's argmax picks against the rule written with torch.topk (HF's MixtralSparseMoeBlock):
+    # the same experts in the same order, the same renormalised weights, eagerly and compiled.
+    import moe
+
+    logits = torch.randn(300, E, generator=torch.Generator().manual_seed(E + k)) * 3
+    probs = torch.softmax(logits, dim=-1)
+    want_w, want_i = torch.topk(probs, k, dim=-1)
+    want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+    w, i = moe.route(logits, k)
+    assert torch.equal(i, want_i) and torch.equal(w, want_w)
+    w, i = torch.compile(moe.route, fullgraph=True)(logits, k)  # fused: rounding may differ
+    assert torch.equal(i, want_i)
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=0)
+
+
 @torch.no_grad()
 def test_gather_equals_expert_loop_and_reads_only_chosen_experts(hf_and_ours):
     import moe
