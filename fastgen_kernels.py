@@ -55,16 +55,17 @@ def gemv_reference(
     expert_idx: Tensor | None = None,
 ) -> Tensor:
     # What gemv computes, in float32, returned in x's dtype. Weight formats are quantize.py's.
-    # With expert_idx [M]: weight (and scales, zeros) are stacks [E, ...] and row m of x goes
-    # through expert expert_idx[m].
+    # With expert_idx [M]: weight (and scales, zeros) are stacks [E, ...] and output row m
+    # comes from expert expert_idx[m] and row m // (M / rows of x) of x (x's rows may be shared
+    # by consecutive output rows: a token's k experts).
     if expert_idx is not None:
-        rows = []
+        rows, share = [], expert_idx.shape[0] // x.shape[0]
         for m, e in enumerate(expert_idx.tolist()):
             pick = [t[e] if t is not None else None for t in (weight, scales, zeros)]
             rest = (bias, norm_weight, eps, glu)
             r = residual[m : m + 1] if residual is not None else None
-            rows.append(gemv_reference(x[m : m + 1], pick[0], fmt, pick[1], pick[2], groupsize,
-                                       *rest, r))  # fmt: skip
+            xm = x[m // share : m // share + 1]
+            rows.append(gemv_reference(xm, pick[0], fmt, pick[1], pick[2], groupsize, *rest, r))
         return torch.cat(rows)
     xf = x.float()
     if glu:
@@ -309,7 +310,7 @@ if triton is not None:
     def _gemv_kernel(
         x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, e_ptr,
         M, N, K, eps, stride_xm, stride_wn, stride_sn, stride_rm, stride_ym, stride_we, stride_se,
-        FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+        x_share, FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
         GLU: tl.constexpr, RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, WORDS: tl.constexpr, EXPERTS: tl.constexpr, PDL: tl.constexpr,
@@ -324,7 +325,7 @@ if triton is not None:
         if EXPERTS:  # program_id(2) picks a row of x and its expert's weights
             row = tl.program_id(2)
             e = tl.load(e_ptr + row).to(tl.int64)
-            x_ptr += row * stride_xm
+            x_ptr += (row // x_share) * stride_xm  # x_share consecutive rows read one x row
             r_ptr += row * stride_rm
             y_ptr += row * stride_ym
             w_ptr += e * stride_we
@@ -554,8 +555,9 @@ def gemv(
 ) -> Tensor:
     # y = prologue(x) @ W^T (+ bias) (+ residual), x [..., K] (or [..., 2K] with glu), any
     # number of rows -> y [..., N] in x's dtype. The prologue is RMSNorm with
-    # norm_weight, or silu(x[..., :K]) * x[..., K:] with glu. expert_idx [M] (x [M, K]): W is a
-    # stack [E, N, K] of experts' weights and row m uses expert expert_idx[m] (Mixtral decode).
+    # norm_weight, or silu(x[..., :K]) * x[..., K:] with glu. expert_idx [M] (x [M / s, K], s a
+    # whole number): W is a stack [E, N, K] of experts' weights and output row m [M, N] uses
+    # expert expert_idx[m] on row m // s of x (Mixtral decode: a token's k experts, s = k).
     args = (x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual)
     if expert_idx is not None:
         args += (expert_idx,)
@@ -585,7 +587,10 @@ def _gemv_launch(
     K = weight.shape[-1] * (2 if fmt == INT4 else 1)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M = x2.shape[0]
-    # Experts: one program row per row of x, each a one-row GEMV against its own expert.
+    share = 1
+    # Experts: one program row per output row, each a one-row GEMV against its own expert.
+    if expert_idx is not None:
+        share, M = expert_idx.shape[0] // M, expert_idx.shape[0]
     if config is None and expert_idx is not None:
         config = gemv_config(fmt, 1, N, K, groupsize, experts=M)
     cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
@@ -625,12 +630,14 @@ def _gemv_launch(
         x2.stride(0), weight.stride(-2), stride_sn,
         r2.stride(0), y.stride(0),
         weight.stride(0) if experts else 0,
-        scales.stride(0) if experts and scales is not None else 0,
+        scales.stride(0) if experts and scales is not None else 0, share,
         EXPERTS=experts, FMT=fmt, G=max(groupsize, 2), HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", WORDS=words,
         **cfg, **dependent_launch(x),
     )  # fmt: skip
+    if experts:
+        return y.to(x.dtype)  # [M, N]
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
@@ -662,7 +669,7 @@ if triton is not None:
         expert_idx=None,
     ):  # fmt: skip
         if expert_idx is not None:
-            return x.new_empty(x.shape[0], weight.shape[-2])
+            return x.new_empty(expert_idx.shape[0], weight.shape[-2])
         return x.new_empty(*x.shape[:-1], weight.shape[-2])
 
 
@@ -933,10 +940,15 @@ def reference_epilogue(linear, x, norm_weight=None, eps=1e-5, glu=False, residua
 
         x = swiglu(x)
     if norm_weight is not None:
-        xf = x.float()
-        x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        x = rms_norm(x, norm_weight, eps)
     y = linear(x)
     return y if residual is None else residual + y
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # model.RMSNorm's arithmetic, for a norm folded into a GEMV's prologue that falls back.
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def gemv_format(module: nn.Module) -> tuple[int, int] | None:
@@ -962,27 +974,32 @@ def expert_format(module: nn.Module) -> tuple[int, int] | None:
     return (formats[kind], 0) if kind in formats else None
 
 
-def moe_experts(x: Tensor, w13, w2, expert_idx: Tensor, expert_weights: Tensor) -> Tensor:
+def moe_experts(
+    x: Tensor, w13, w2, expert_idx: Tensor, expert_weights: Tensor, norm_weight=None, eps=1e-5
+) -> Tensor:
     # moe.moe_experts with the decode case on gemv: x [N, dim], expert_idx/expert_weights [N, k].
     # Each (row, expert) pair is one row of two expert GEMVs that read only that expert's
-    # weights: w13 (gate | up), then w2 with SwiGLU as its prologue.
+    # weights: w13 (gate | up) on the pair's token's row of x, then w2 with SwiGLU as its
+    # prologue. norm_weight: x is the block's residual stream and w13 applies the RMSNorm.
     import moe
 
     N, k = expert_idx.shape
     E = w13.n_experts
     if N * k >= E:
+        if norm_weight is not None:
+            x = rms_norm(x, norm_weight, eps)
         return moe.moe_experts(x, w13, w2, expert_idx, expert_weights)
     here = (expert_idx >= 0) & (expert_idx < E)  # other ranks' experts count as absent
     weights = torch.where(here, expert_weights, 0.0)  # [N, k]
     idx = expert_idx.clamp(0, E - 1).flatten().to(torch.int32)  # [N * k]
-    xs = x.repeat_interleave(k, dim=0)  # [N * k, dim]
 
     def run(linear, inp, **fused):
         fmt, groupsize = expert_format(linear)
         scales, zeros = getattr(linear, "scales", None), getattr(linear, "zeros", None)
         return gemv(inp, linear.weight, fmt, scales, zeros, groupsize, expert_idx=idx, **fused)
 
-    y = run(w2, run(w13, xs), glu=True).view(N, k, -1)  # [N, k, dim]
+    gate_up = run(w13, x, norm_weight=norm_weight, eps=eps)  # [N * k, 2 * inter]
+    y = run(w2, gate_up, glu=True).view(N, k, -1)  # [N, k, dim]
     return (y.float() * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
@@ -1006,6 +1023,9 @@ class FusedBlock(nn.Module):
             y = attn.attend_qkv(qkv, freqs_cis, mask, input_pos)
         h = attn.wo(y, residual=x)
         if hasattr(ff, "run_experts"):
+            if ff.run_experts is moe_experts and isinstance(ff.gate, GemvLinear):
+                # the RMSNorm in the router's and w13's prologues
+                return h + ff(h, norm_weight=fnorm.weight, eps=fnorm.eps)
             return h + ff(fnorm(h))
         gate_up = ff.w13(h, norm_weight=fnorm.weight, eps=fnorm.eps)
         return ff.w2(gate_up, glu=True, residual=h)

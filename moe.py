@@ -60,11 +60,15 @@ class MOEFeedForward(nn.Module):
         self.expert_offset = 0
         self.run_experts = moe_experts  # a fused kernel can take its place
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, **fused) -> Tensor:
+        # fused: an RMSNorm (norm_weight, eps) still to apply to x, passed only where the gate
+        # and run_experts take it as their GEMVs' prologue (fastgen_kernels.FusedBlock).
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, dim], N = B * T
-        expert_weights, expert_idx = route(self.gate(x), self.num_activated_experts)  # [N, k]
-        y = self.run_experts(x, self.w13, self.w2, expert_idx - self.expert_offset, expert_weights)
+        logits = self.gate(x, **fused)  # [N, E]
+        expert_weights, expert_idx = route(logits, self.num_activated_experts)  # [N, k]
+        idx = expert_idx - self.expert_offset
+        y = self.run_experts(x, self.w13, self.w2, idx, expert_weights, **fused)
         return y.view(shape)
 
 

@@ -294,8 +294,8 @@ class ShardedMOEFeedForward(MOEFeedForward):
     # MOEFeedForward (its tensors stay where they are) and sets `group`.
     group = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        return funcol.all_reduce(super().forward(x), "sum", self.group)  # [B, T, dim]
+    def forward(self, x: Tensor, **fused) -> Tensor:
+        return funcol.all_reduce(super().forward(x, **fused), "sum", self.group)  # [B, T, dim]
 
 
 class GatherVocab(nn.Module):

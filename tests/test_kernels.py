@@ -218,6 +218,34 @@ def test_expert_gemv_reads_each_rows_expert(fmt, glu):
     torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
 
 
+@pytest.mark.parametrize("fmt", sorted(FMTS))
+def test_expert_gemv_shares_x_rows_with_rmsnorm(fmt):
+    # x [2, K] against idx [4]: output rows 2t and 2t + 1 both read token t's row (a token's
+    # two experts, no copy of x), with the RMSNorm prologue (Mixtral's w13).
+    torch.manual_seed(6)
+    E, N, K = 3, 24, 256
+    parts = [make(FMTS[fmt], N, K) for _ in range(E)]
+    w = {k: torch.stack([p[k] for p in parts]) for k in parts[0] if torch.is_tensor(parts[0][k])}
+    if fmt == "int4":
+        w["groupsize"] = 32
+    idx = torch.tensor([2, 0, 1, 2], device=DEVICE, dtype=torch.int32)
+    x = torch.randn(2, K, device=DEVICE) * 3
+    norm = dict(norm_weight=torch.rand(K, device=DEVICE) + 0.5, eps=1e-5)
+    expected = torch.cat(
+        [
+            kernels.gemv_reference(x[m // 2 : m // 2 + 1], fmt=FMTS[fmt], **norm, **parts[e])
+            for m, e in enumerate(idx.tolist())
+        ]
+    )
+    ref = kernels.gemv_reference(x, fmt=FMTS[fmt], expert_idx=idx, **norm, **w)
+    torch.testing.assert_close(ref, expected)
+    cfg = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=2)
+    poison()
+    got = kernels.gemv(x, fmt=FMTS[fmt], config=cfg, expert_idx=idx, **norm, **w)
+    assert got.shape == (4, N)
+    torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
+
+
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @torch.no_grad()
 def test_moe_decode_through_expert_gemv_equals_moe_py(mode):
@@ -250,6 +278,13 @@ def test_moe_decode_through_expert_gemv_equals_moe_py(mode):
         got = kernels.moe_experts(x, ff.w13, ff.w2, ids, weights)
         # the int8/int4 word paths are exact to about 2^-14 of |y| (see test_gemv_*)
         torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
+        # the block's RMSNorm left to w13's prologue: as if x came normalised
+        nw = torch.rand(64, device=DEVICE) + 0.5
+        unnormed = x * 4 + 1
+        normed = kernels.rms_norm(unnormed, nw, 1e-5)
+        want = kernels.moe_experts(normed, ff.w13, ff.w2, ids, weights)
+        got = kernels.moe_experts(unnormed, ff.w13, ff.w2, ids, weights, norm_weight=nw, eps=1e-5)
+        torch.testing.assert_close(got, want, atol=3e-4 * want.abs().max().item(), rtol=3e-4)
 
 
 @pytest.mark.skipif(not GPU, reason="default launch configurations are for CUDA")
