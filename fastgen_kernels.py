@@ -481,7 +481,8 @@ def dependent_launch(x: Tensor) -> dict:
 
 
 def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: int = 0) -> dict:
-    # Launch parameters by shape, from the sweeps in scripts/bench.py (--sweep) on an H200:
+    # Launch parameters by shape, from sweeps on an H200 (scripts/bench.py --sweep; round 10's
+    # in bench_results/h200_kernels_*round10*.json):
     # enough 16-byte loads in flight per SM and enough programs to cover its 132 SMs. experts:
     # the rows of an expert GEMV (each its own expert's weights, M is then 1), which multiply
     # the programs.
@@ -495,10 +496,22 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
         return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=split,
                     num_warps=4, num_stages=3)  # fmt: skip
     block_m = 1 if M == 1 else 16
-    if fmt == INT8 and block_m == 1:  # the word path; from the sweep (76% on 22016x4096)
+    if fmt == INT8 and block_m == 1 and experts:  # the word path; Mixtral's: 90% and 73%
         cfg = dict(BLOCK_N=8, BLOCK_K=1024 if N > 3 * K else 2048, num_warps=4, num_stages=3)
+    elif fmt == INT8 and block_m == 1:
+        # The word path, from round 10's sweep on the Llama-2-7B and 3.1-8B shapes: wqkv 68%
+        # (7B), w13 78% and 84%, w2 63% and 73%, the output layer 91% and 101% (L2 hits).
+        if N < K:
+            cfg = dict(BLOCK_N=16, BLOCK_K=2048, num_warps=8)
+        elif N == K:
+            cfg = dict(BLOCK_N=8, BLOCK_K=2048, num_warps=4)
+        elif N >= 7 * K:
+            cfg = dict(BLOCK_N=32, BLOCK_K=512, num_warps=4)
+        else:
+            cfg = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4)
+        cfg["num_stages"] = 3
     elif fmt == INT4 and block_m == 1:  # the word path (dp4a)
-        # Session 7's sweep (Llama-2-7B, Llama-3.1-8B and Mixtral expert shapes, with their
+        # Round 10's sweep (Llama-2-7B, Llama-3.1-8B and Mixtral expert shapes, with their
         # fusions): w2 4096x11008 12.1 us (56%) against 14.7 with 64 rows split 4 ways, Mixtral's
         # two w2 experts 30 against 51 us, wo g32 5.9 against 6.8 us, 8B's wqkv 7.6 against
         # 10.4 us, Mixtral's two w13 experts 43 against 50 us.
