@@ -193,9 +193,11 @@ def test_one_row_int4_divides_like_its_reference():
 
 
 @pytest.mark.parametrize("fmt", sorted(FMTS))
-@pytest.mark.parametrize("glu", [False, True])
-def test_expert_gemv_reads_each_rows_expert(fmt, glu):
-    # Weights stacked [E, N, K]: row m of x goes through expert idx[m] (Mixtral decode).
+@pytest.mark.parametrize("case", ["plain", "glu", "shared_rows_norm"])
+def test_expert_gemv_reads_each_rows_expert(fmt, case):
+    # Weights stacked [E, N, K]: output row m goes through expert idx[m] (Mixtral decode). With
+    # shared rows, x has 2 rows for 4 outputs: rows 2t and 2t + 1 both read token t's row (a
+    # token's two experts, no copy of x), here with the RMSNorm prologue (Mixtral's w13).
     torch.manual_seed(5)
     E, N, K = 3, 40, 256
     parts = [make(FMTS[fmt], N, K) for _ in range(E)]
@@ -203,45 +205,24 @@ def test_expert_gemv_reads_each_rows_expert(fmt, glu):
     if fmt == "int4":
         w["groupsize"] = 32
     idx = torch.tensor([2, 0, 2, 1], device=DEVICE, dtype=torch.int32)
-    x = torch.randn(4, 2 * K if glu else K, device=DEVICE)
+    fused = dict(glu=case == "glu")
+    share = 2 if case == "shared_rows_norm" else 1
+    if share > 1:
+        fused.update(norm_weight=torch.rand(K, device=DEVICE) + 0.5, eps=1e-5)
+    x = torch.randn(4 // share, 2 * K if fused["glu"] else K, device=DEVICE) * 3
     expected = torch.cat(
         [
-            kernels.gemv_reference(x[m : m + 1], fmt=FMTS[fmt], glu=glu, **parts[e])
+            kernels.gemv_reference(
+                x[m // share : m // share + 1], fmt=FMTS[fmt], **fused, **parts[e]
+            )
             for m, e in enumerate(idx.tolist())
         ]
     )
-    ref = kernels.gemv_reference(x, fmt=FMTS[fmt], glu=glu, expert_idx=idx, **w)
+    ref = kernels.gemv_reference(x, fmt=FMTS[fmt], expert_idx=idx, **fused, **w)
     torch.testing.assert_close(ref, expected)
     cfg = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=2)
     poison()
-    got = kernels.gemv(x, fmt=FMTS[fmt], glu=glu, config=cfg, expert_idx=idx, **w)
-    torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
-
-
-@pytest.mark.parametrize("fmt", sorted(FMTS))
-def test_expert_gemv_shares_x_rows_with_rmsnorm(fmt):
-    # x [2, K] against idx [4]: output rows 2t and 2t + 1 both read token t's row (a token's
-    # two experts, no copy of x), with the RMSNorm prologue (Mixtral's w13).
-    torch.manual_seed(6)
-    E, N, K = 3, 24, 256
-    parts = [make(FMTS[fmt], N, K) for _ in range(E)]
-    w = {k: torch.stack([p[k] for p in parts]) for k in parts[0] if torch.is_tensor(parts[0][k])}
-    if fmt == "int4":
-        w["groupsize"] = 32
-    idx = torch.tensor([2, 0, 1, 2], device=DEVICE, dtype=torch.int32)
-    x = torch.randn(2, K, device=DEVICE) * 3
-    norm = dict(norm_weight=torch.rand(K, device=DEVICE) + 0.5, eps=1e-5)
-    expected = torch.cat(
-        [
-            kernels.gemv_reference(x[m // 2 : m // 2 + 1], fmt=FMTS[fmt], **norm, **parts[e])
-            for m, e in enumerate(idx.tolist())
-        ]
-    )
-    ref = kernels.gemv_reference(x, fmt=FMTS[fmt], expert_idx=idx, **norm, **w)
-    torch.testing.assert_close(ref, expected)
-    cfg = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=2)
-    poison()
-    got = kernels.gemv(x, fmt=FMTS[fmt], config=cfg, expert_idx=idx, **norm, **w)
+    got = kernels.gemv(x, fmt=FMTS[fmt], config=cfg, expert_idx=idx, **fused, **w)
     assert got.shape == (4, N)
     torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
 
