@@ -4,6 +4,7 @@
 #   python -m scripts.bench --models Llama-2-7B,Llama-3.1-8B --modes bf16,int8,int4.g32 \
 #       --device cuda --out bench.json --plot bench.png
 #   python -m scripts.bench --kernels_only --device cuda          # each GEMV alone
+#       (a Mixture-of-Experts model's w13 and w2 as expert GEMVs: k of E experts a launch)
 #
 # Protocol (gpt-fast's): batch size 1, a 5-token prompt, 200 new tokens, top_k 200, temperature
 # 0.8, one compile warm-up then 5 samples, average tok/s. Achieved bandwidth counts the weight
@@ -395,12 +396,15 @@ def bench_speculative(
 
 
 def gemv_shapes(config: ModelArgs) -> dict:
+    # layer -> (N, K) of one decode step's GEMVs; a Mixture-of-Experts model's w13 and w2 are
+    # expert GEMVs ("w13_experts", "w2_experts": one expert's shape, k rows each its own expert).
     c = config
+    mlp = "_experts" if c.num_experts else ""
     return {
         "wqkv": ((c.n_head + 2 * c.n_kv_heads) * c.head_dim, c.dim),
         "wo": (c.dim, c.n_head * c.head_dim),
-        "w13": (2 * c.intermediate_size, c.dim),
-        "w2": (c.dim, c.intermediate_size),
+        "w13" + mlp: (2 * c.intermediate_size, c.dim),
+        "w2" + mlp: (c.dim, c.intermediate_size),
         "output": (c.vocab_size, c.dim),
     }
 
@@ -426,36 +430,63 @@ def layer_fusion(layer: str, K: int, device) -> dict:
     # What a decode step fuses into each GEMV (kernels.FusedBlock): RMSNorm before wqkv and w13,
     # SwiGLU before w2, the residual add after wo and w2.
     g = torch.Generator(device=device).manual_seed(3)
-    if layer in ("wqkv", "w13"):
+    if layer in ("wqkv", "w13", "w13_experts"):  # MoE: the router's and w13's prologue
         return dict(norm_weight=torch.rand(K, device=device, generator=g).to(torch.bfloat16))
     if layer == "w2":
         return dict(glu=True, residual=True)
+    if layer == "w2_experts":  # the experts' outputs are mixed after, not added in place
+        return dict(glu=True)
     if layer == "wo":
         return dict(residual=True)
     return {}
 
 
-def bench_gemv(fmt, N, K, device, bandwidth, config=None, groupsize=32, rows=1, fusion=None):
+def expert_stack(fmt, n_experts, N, K, device, groupsize=32) -> dict:
+    # make_weight's tensors for n_experts experts, stacked [E, ...] as quantize.py stores them.
+    parts = [make_weight(fmt, N, K, device, groupsize) for _ in range(n_experts)]
+    names = [k for k in parts[0] if torch.is_tensor(parts[0][k])]
+    stack = {k: torch.stack([p[k] for p in parts]) for k in names}
+    return dict(stack, groupsize=groupsize) if "zeros" in stack else stack
+
+
+def bench_gemv(
+    fmt, N, K, device, bandwidth, config=None, groupsize=32, rows=1, fusion=None, experts=(0, 0)
+):  # fmt: skip
     # Achieved read bandwidth of one GEMV (with its layer's fusion), weights rotated through
-    # copies larger than L2.
+    # copies larger than L2. experts (E, k): an expert GEMV as Mixtral decodes a token, the
+    # weights a stack of E experts of which each launch reads k (a new random pick each time):
+    # w13 has one row of x shared by the k experts, w2 (glu) a row per expert.
     import fastgen_kernels as kernels
 
     fused = dict(fusion or {})
-    one = make_weight(fmt, N, K, device, groupsize)
-    nbytes = sum(t.numel() * t.element_size() for t in one.values() if torch.is_tensor(t))
-    copies = [one] + [make_weight(fmt, N, K, device, groupsize) for _ in range(L2_BYTES // nbytes)]
+    E, k = experts
+    if E:
+        one = expert_stack(fmt, E, N, K, device, groupsize)
+        nbytes = sum(t[0].numel() * t.element_size() for t in one.values() if torch.is_tensor(t))
+        nbytes *= k  # the bytes one launch reads
+        copies = [one]  # different experts each launch
+        rows = k if fused.get("glu") else 1
+        g = torch.Generator().manual_seed(0)
+        picks = [torch.randperm(E, generator=g)[:k].to(device, torch.int32) for _ in range(20)]
+    else:
+        one = make_weight(fmt, N, K, device, groupsize)
+        nbytes = sum(t.numel() * t.element_size() for t in one.values() if torch.is_tensor(t))
+        copies = [one]
+        copies += [make_weight(fmt, N, K, device, groupsize) for _ in range(L2_BYTES // nbytes)]
+        picks = [None] * 20
     x = torch.randn(rows, 2 * K if fused.get("glu") else K, device=device, dtype=torch.bfloat16)
     if fused.get("residual"):
         fused["residual"] = torch.randn(rows, N, device=device, dtype=torch.bfloat16)
-    ref = kernels.gemv_reference(x, **one, fmt=fmt, **fused)
-    got = kernels.gemv(x, **one, fmt=fmt, config=config, **fused)
+    ref = kernels.gemv_reference(x, **one, fmt=fmt, expert_idx=picks[0], **fused)
+    got = kernels.gemv(x, **one, fmt=fmt, config=config, expert_idx=picks[0], **fused)
     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
     # 20 launches over rotating copies in one CUDA graph, as in a decode step: timing replays
     # measures the GPU, not Python's launch overhead.
     def run_many():
         for i in range(20):
-            kernels.gemv(x, **copies[i % len(copies)], fmt=fmt, config=config, **fused)
+            w = copies[i % len(copies)]
+            kernels.gemv(x, **w, fmt=fmt, config=config, expert_idx=picks[i], **fused)
 
     if device.type == "cuda":
         run_many()  # compile before capture
@@ -495,17 +526,22 @@ def bench_kernels(models, device, bandwidth, sweep=False, modes=None):
         fmts = {m: kernels.INT4 if m.startswith("int4") else fmts[m] for m in modes}
     results = []
     for name in models:
-        for layer, (N, K) in gemv_shapes(ModelArgs.from_name(name)).items():
+        config = ModelArgs.from_name(name) if isinstance(name, str) else name
+        for layer, (N, K) in gemv_shapes(config).items():
             fusion = layer_fusion(layer, K, device)
+            experts = (0, 0)
+            if layer.endswith("_experts"):
+                experts = (config.num_experts, config.num_activated_experts)
             for mode, fmt in fmts.items():
                 g = int(mode.partition(".g")[2] or 32)
                 if fmt == kernels.INT4 and K % g:
                     continue
-                configs = sweep_configs(fmt, N, K, g) if sweep else [None]
+                configs = sweep_configs(fmt, N, K, g, experts[1]) if sweep else [None]
                 best = None
                 for cfg in configs:
                     try:
-                        r = bench_gemv(fmt, N, K, device, bandwidth, cfg, g, fusion=fusion)
+                        r = bench_gemv(fmt, N, K, device, bandwidth, cfg, g, fusion=fusion,
+                                       experts=experts)  # fmt: skip
                     except Exception as e:  # noqa: BLE001 - a sweep config may not compile
                         log(f"  config {cfg} failed: {str(e).splitlines()[0][:100]}")
                         continue
@@ -569,17 +605,19 @@ def bench_prefill(models, device, rows_list, peak_tflops=None) -> list:
     return results
 
 
-def sweep_configs(fmt, N, K, groupsize=32):
+def sweep_configs(fmt, N, K, groupsize=32, experts=0):
     # The launch parameters that matter most: rows per program, columns per step, warps; for
     # int8 also the element-wise path against the 32-bit-word one. The default comes first.
+    # experts: the rows of an expert GEMV (each its own expert).
     import fastgen_kernels as kernels
 
-    default = kernels.gemv_config(fmt, 1, N, K, groupsize)
+    default = kernels.gemv_config(fmt, 1, N, K, groupsize, experts)
     if fmt == kernels.FLOAT:
         grid = [(bn, bk, 4) for bn in (4, 8, 16) for bk in (512, 1024)]
     elif fmt == kernels.INT4:  # columns per step no wider than K
         grid = [(8, 1024, 2), (16, 1024, 2), (16, 1024, 4), (32, 1024, 4), (32, 1024, 8)]
         grid += [(64, 1024, 8), (64, 1024, 16), (16, 512, 2), (32, 512, 4), (16, 2048, 8)]
+        grid += [(8, 2048, 4), (16, 2048, 4)]
         grid = [(bn, bk, w) for bn, bk, w in grid if bk <= K]
     else:
         grid = [(8, 1024, 4), (8, 2048, 4), (16, 2048, 4), (32, 512, 4), (32, 1024, 4)]
@@ -588,7 +626,7 @@ def sweep_configs(fmt, N, K, groupsize=32):
     if fmt == kernels.INT8:  # one-row int4 has the word path only
         configs.append(dict(default, WORDS=False))
     for bn, bk, warps in grid:
-        split = kernels.split_k(N, K, bn, bk)
+        split = kernels.split_k(N, K, bn, bk, max(experts, 1))
         configs.append(dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, SPLIT_K=split))
     return configs
 

@@ -307,6 +307,31 @@ def test_quantize_py_round_trip(hf_and_ours, tmp_path):
         quantize.quantize_checkpoint(path / "model.pth", "int4-gptq", 32, calibration=x)
 
 
+def test_bench_kernels_times_expert_gemvs():
+    # scripts/bench.py --kernels_only on a Mixture-of-Experts model times w13 and w2 as expert
+    # GEMVs (k of E experts per launch); an explicit launch configuration (as --sweep passes)
+    # runs the kernel itself (Triton's interpreter on CPU) against the reference.
+    import bench
+    import fastgen_kernels as kernels
+    from model import ModelArgs
+
+    config = ModelArgs(vocab_size=128, n_layer=2, n_head=4, n_kv_heads=2, dim=64,
+                       intermediate_size=96, num_experts=4, num_activated_experts=2)  # fmt: skip
+    cpu = torch.device("cpu")
+    res = bench.bench_kernels([config], cpu, 1e9, modes=["int4.g32"])
+    by_layer = {r["layer"]: r for r in res}
+    assert set(by_layer) == {"wqkv", "wo", "w13_experts", "w2_experts", "output"}
+    for layer, (N, K) in (("w13_experts", (192, 64)), ("w2_experts", (64, 96))):
+        r = by_layer[layer]
+        assert (r["N"], r["K"]) == (N, K)
+        # two experts' int4 bytes per launch: nibbles plus bf16 scale and offset per group of 32
+        assert r["bytes"] == 2 * (N * K // 2 + 2 * 2 * N * K // 32)
+    cfg = bench.sweep_configs(kernels.INT4, 64, 96, 32, experts=2)[0]
+    fusion = bench.layer_fusion("w2_experts", 96, cpu)
+    r = bench.bench_gemv(kernels.INT4, 64, 96, cpu, 1e9, cfg, 32, fusion=fusion, experts=(4, 2))
+    assert r["rel_err"] < 1e-2
+
+
 def test_bench_random_model_builds_mixtral_modes():
     # scripts/bench.py --models Mixtral-8x7B --modes bf16,int8,int4.g32, on a tiny config of the
     # same kind (the real one needs 90 GB).
