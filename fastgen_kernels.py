@@ -71,8 +71,13 @@ def gemv_reference(
     if glu:
         gate, up = xf.chunk(2, dim=-1)
         xf = F.silu(gate) * up
+    rstd = 1.0
     if norm_weight is not None:
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [M, 1]
+        if xf.shape[0] == 1:  # one row: rstd multiplies the sums (so x * norm_weight is rounded)
+            xf = xf * norm_weight.float()
+        else:
+            xf, rstd = xf * rstd * norm_weight.float(), 1.0
     if fmt == INT4:
         from quantize import dequantize_int4
 
@@ -81,7 +86,7 @@ def gemv_reference(
             xf = activation_int8_reference(xf)
     else:
         w = weight.float()
-    y = xf @ w.t()
+    y = xf @ w.t() * rstd
     if fmt in (INT8, FP8):
         y = y * scales.float()
     if bias is not None:
@@ -131,16 +136,18 @@ if triton is not None:
     @triton.jit
     def _load_x(x_ptr, off, mask, k_idx, nw_ptr, rstd, K, NORM: tl.constexpr, GLU: tl.constexpr):
         # The GEMV's input, with its prologue applied: x, or silu(gate) * up when the input row
-        # is [gate (K) | up (K)], or RMSNorm(x) * norm_weight given the row's rstd. -> float32
+        # is [gate (K) | up (K)], or x * rstd * norm_weight (RMSNorm; rstd 1 where the caller
+        # applies it to the sums). -> (that, x as loaded), float32
         if GLU:
             g = tl.load(x_ptr + off, mask=mask, other=0).to(tl.float32)
             u = tl.load(x_ptr + off + K, mask=mask, other=0).to(tl.float32)
             x = g * tl.sigmoid(g) * u
         else:
             x = tl.load(x_ptr + off, mask=mask, other=0).to(tl.float32)
+        xp = x
         if NORM:
-            x = x * rstd * tl.load(nw_ptr + k_idx, mask=mask, other=0).to(tl.float32)
-        return x
+            xp = x * rstd * tl.load(nw_ptr + k_idx, mask=mask, other=0).to(tl.float32)
+        return xp, x
 
     # Quantized weights as 32-bit words, one row of x: the integer-to-float conversion is the
     # bottleneck of a quantized GEMV (int-to-float instructions run at a quarter of the FP32
@@ -187,18 +194,21 @@ if triton is not None:
         WORDS: tl.constexpr,
     ):  # fmt: skip
         # int8 rows as int32 words: byte t of word j is k = 4j + t. XOR 0x80 makes u = q + 128
-        # unsigned; each byte is moved to bits 8..15 (b = 8), v = 1 + u / 2^15. -> [1, BLOCK_N]
+        # unsigned; each byte is moved to bits 8..15 (b = 8), v = 1 + u / 2^15.
+        # -> ([1, BLOCK_N], the sum of squares of x as loaded over k_lo..k_hi)
         BW: tl.constexpr = BLOCK_K // 4
         rw = tl.arange(0, BW)
         acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
         xs = tl.zeros([BW], dtype=tl.float32)
+        ss = tl.zeros([BW], dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
             kw = k // 4 + rw  # [BW] word index
             w_ok = n_ok[:, None] & (kw < k_hi // 4)[None, :]
             w = tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :], mask=w_ok, other=0)
             x_off = 4 * kw[:, None] + tl.arange(0, 4)[None, :]  # [BW, 4]
-            x4 = _load_x(x_ptr, x_off, x_off < k_hi, x_off, nw_ptr, rstd, K, NORM, GLU)
+            x4, raw = _load_x(x_ptr, x_off, x_off < k_hi, x_off, nw_ptr, rstd, K, NORM, GLU)
             xs += tl.sum(x4, axis=1)
+            ss += tl.sum(raw * raw, axis=1)
             x_even, x_odd = tl.split(tl.reshape(x4 * 32768.0, [BW, 2, 2]))  # t = 2a + c
             x0, x2 = tl.split(x_even)
             x1, x3 = tl.split(x_odd)
@@ -208,7 +218,7 @@ if triton is not None:
             acc += v2 * x2[None, :]
             acc += v3 * x3[None, :]
         # sum(v * x') = 2^15 sum(x) + sum((q + 128) x)
-        return (tl.sum(acc, axis=1) - (32768.0 + 128.0) * tl.sum(xs))[None, :]
+        return (tl.sum(acc, axis=1) - (32768.0 + 128.0) * tl.sum(xs))[None, :], tl.sum(ss)
 
     @triton.jit
     def _dp4a(a, b, c, WORDS: tl.constexpr):
@@ -274,6 +284,7 @@ if triton is not None:
         rw = tl.arange(0, BW)
         shift = 8 * tl.arange(0, 4)
         acc = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
+        ss = tl.zeros([NB], dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
             kw = k // 8 + rw  # [BW] word index
             # whole blocks of 4 words in or out: the mask stays constant over each 16-byte load
@@ -282,7 +293,8 @@ if triton is not None:
             kb = k + 32 * tl.arange(0, NB)  # [NB] first k of each block
             b_ok = kb < k_hi
             x_off = kb[:, None] + tl.arange(0, 32)[None, :]  # [NB, 32]
-            x32 = _load_x(x_ptr, x_off, b_ok[:, None], x_off, nw_ptr, rstd, K, NORM, GLU)
+            x32, raw = _load_x(x_ptr, x_off, b_ok[:, None], x_off, nw_ptr, rstd, K, NORM, GLU)
+            ss += tl.sum(raw * raw, axis=1)
             amax = tl.max(tl.abs(x32), axis=1)  # [NB]
             # 127 times the IEEE-rounded 1 / amax, then round-half-even, as
             # activation_int8_reference computes (v + 0.5 would fuse into an FMA).
@@ -304,7 +316,7 @@ if triton is not None:
             s = tl.load(s_ptr + s_off, mask=sb_ok, other=0).to(tl.float32)  # [BN, NB]
             z = tl.load(z_ptr + s_off, mask=sb_ok, other=0).to(tl.float32)
             acc += s * (qx - z * xsum[None, :])
-        return tl.sum(acc, axis=1)[None, :]  # [1, BN]
+        return tl.sum(acc, axis=1)[None, :], tl.sum(ss)  # [1, BN], as _int8_words
 
     @triton.jit
     def _gemv_kernel(
@@ -340,8 +352,14 @@ if triton is not None:
         k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
+        # RMSNorm with one row: its rstd is a scalar and the products are linear in x, so x *
+        # norm_weight goes in and rstd multiplies the finished sums; the sum of squares for it
+        # is gathered as x loads, with no pass over x before the weights are read (that pass
+        # costs each program a few dependent L2 reads before its first weight load). Row tiles,
+        # and one row split over K (each program sees part of the row): rstd from a first pass.
+        LATE_RSTD: tl.constexpr = NORM and BLOCK_M == 1 and SPLIT_K == 1
         rstd = 1.0
-        if NORM:  # RMSNorm needs the whole row first: x is small and stays in L2
+        if NORM and not LATE_RSTD:  # x is small and stays in L2
             ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
             for k in range(0, K, BLOCK_K):
                 kk = k + rk
@@ -349,15 +367,16 @@ if triton is not None:
                 xs = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=x_ok, other=0)
                 ss += xs.to(tl.float32) * xs.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)  # [BLOCK_M]
+        ss_x = 0.0  # one row: the sum of squares of x gathered by the loop below
         if WORDS and FMT == 1:
-            out = _int8_words(
-                x_ptr, w_ptr, nw_ptr, rstd, K, stride_wn, rn, n_ok, k_lo, k_hi,
+            out, ss_x = _int8_words(
+                x_ptr, w_ptr, nw_ptr, 1.0, K, stride_wn, rn, n_ok, k_lo, k_hi,
                 NORM, GLU, BLOCK_N, BLOCK_K, WORDS,
             )  # fmt: skip
             out = out * tl.load(s_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
         elif WORDS and FMT == 2:
-            out = _int4_words(
-                x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rstd, K, stride_wn, stride_sn, rn, n_ok,
+            out, ss_x = _int4_words(
+                x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, 1.0, K, stride_wn, stride_sn, rn, n_ok,
                 k_lo, k_hi, G, NORM, GLU, BLOCK_N, BLOCK_K, WORDS,
             )  # fmt: skip
         elif FMT == 2 and BLOCK_K == G:
@@ -378,7 +397,7 @@ if triton is not None:
                 w = ((q.to(tl.float32) - z[:, None]) * s[:, None]).to(dt)
                 kk = (k + rk)[None, :]
                 x_off = rm[:, None] * stride_xm + kk
-                x = _load_x(x_ptr, x_off, m_ok[:, None], kk, nw_ptr, r2, K, NORM, GLU)
+                x, _ = _load_x(x_ptr, x_off, m_ok[:, None], kk, nw_ptr, r2, K, NORM, GLU)
                 acc += tl.dot(x.to(dt), tl.trans(w), input_precision=DOT_PRECISION)
             out = acc
         elif FMT == 2:
@@ -408,8 +427,9 @@ if triton is not None:
                 xm_off = rm[:, None, None] * stride_xm + k_even[None]
                 xm_ok = m_ok[:, None, None] & g_ok[None, :, None]
                 r3 = rstd[:, None, None] if NORM else 1.0
-                x_lo = _load_x(x_ptr, xm_off, xm_ok, k_even[None], nw_ptr, r3, K, NORM, GLU)
-                x_hi = _load_x(x_ptr, xm_off + 1, xm_ok, k_even[None] + 1, nw_ptr, r3, K, NORM, GLU)
+                k_odd = k_even[None] + 1
+                x_lo, _ = _load_x(x_ptr, xm_off, xm_ok, k_even[None], nw_ptr, r3, K, NORM, GLU)
+                x_hi, _ = _load_x(x_ptr, xm_off + 1, xm_ok, k_odd, nw_ptr, r3, K, NORM, GLU)
                 dt = x_ptr.dtype.element_ty
                 w_lo = ((lo - z[:, :, None]) * s[:, :, None]).to(dt)
                 w_hi = ((hi * 0.0625 - z[:, :, None]) * s[:, :, None]).to(dt)
@@ -427,6 +447,7 @@ if triton is not None:
         else:
             if BLOCK_M == 1:
                 acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                ss_k = tl.zeros([BLOCK_K], dtype=tl.float32)
             else:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k in range(k_lo, k_hi, BLOCK_K):
@@ -440,21 +461,27 @@ if triton is not None:
                 if FMT == 3:  # float8 weights arrive as their bytes
                     w = w.to(tl.float8e4nv, bitcast=True)
                 if BLOCK_M == 1:
-                    x = _load_x(x_ptr, kk, k_ok, kk, nw_ptr, rstd, K, NORM, GLU)
+                    x, raw = _load_x(x_ptr, kk, k_ok, kk, nw_ptr, 1.0, K, NORM, GLU)
                     acc += w.to(tl.float32) * x[None, :]
+                    ss_k += raw * raw
                 else:
                     x_off = rm[:, None] * stride_xm + kk[None, :]
                     x_ok = m_ok[:, None] & k_ok[None, :]
                     r2 = rstd[:, None] if NORM else 1.0
-                    x = _load_x(x_ptr, x_off, x_ok, kk[None, :], nw_ptr, r2, K, NORM, GLU)
+                    x, _ = _load_x(x_ptr, x_off, x_ok, kk[None, :], nw_ptr, r2, K, NORM, GLU)
                     dt = x_ptr.dtype.element_ty
                     acc += tl.dot(x.to(dt), tl.trans(w.to(dt)), input_precision=DOT_PRECISION)
             if BLOCK_M == 1:
                 out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
+                ss_x = tl.sum(ss_k)
             else:
                 out = acc
             if FMT == 1 or FMT == 3:
                 out = out * tl.load(s_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
+        if NORM and BLOCK_M == 1:  # the one-row paths summed x * norm_weight: rstd now
+            if LATE_RSTD:
+                rstd = tl.rsqrt(ss_x / K + eps)
+            out = out * rstd
         y_off = rm[:, None] * stride_ym + rn[None, :]
         y_ok = m_ok[:, None] & n_ok[None, :]
         if pid_k == 0:  # the epilogue's additions, once
