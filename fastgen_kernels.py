@@ -73,11 +73,10 @@ def gemv_reference(
         xf = F.silu(gate) * up
     rstd = 1.0
     if norm_weight is not None:
+        # RMSNorm's 1/rms multiplies the sums, as the one-row kernels apply it (so the one-row
+        # int4 path rounds x * norm_weight to int8)
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [M, 1]
-        if xf.shape[0] == 1:  # one row: rstd multiplies the sums (so x * norm_weight is rounded)
-            xf = xf * norm_weight.float()
-        else:
-            xf, rstd = xf * rstd * norm_weight.float(), 1.0
+        xf = xf * norm_weight.float()
     if fmt == INT4:
         from quantize import dequantize_int4
 
@@ -631,9 +630,9 @@ def _gemv_launch(
     # Experts: one program row per output row, each a one-row GEMV against its own expert.
     if expert_idx is not None:
         share, M = expert_idx.shape[0] // M, expert_idx.shape[0]
-    if config is None and expert_idx is not None:
-        config = gemv_config(fmt, 1, N, K, groupsize, experts=M)
-    cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
+        cfg = dict(config or gemv_config(fmt, 1, N, K, groupsize, experts=M))
+    else:
+        cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
     split_k = cfg["SPLIT_K"]
     if split_k > 1:
         y = torch.zeros(M, N, device=x.device, dtype=torch.float32)
@@ -975,20 +974,14 @@ class GemvLinear(nn.Module):
 
 def reference_epilogue(linear, x, norm_weight=None, eps=1e-5, glu=False, residual=None):
     # What GemvLinear's fused arguments mean, for inputs too large for gemv (prefill).
-    if glu:
-        from model import swiglu
+    from model import rms_norm, swiglu
 
+    if glu:
         x = swiglu(x)
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     y = linear(x)
     return y if residual is None else residual + y
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # model.RMSNorm's arithmetic, for a norm folded into a GEMV's prologue that falls back.
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def gemv_format(module: nn.Module) -> tuple[int, int] | None:
@@ -1022,6 +1015,7 @@ def moe_experts(
     # weights: w13 (gate | up) on the pair's token's row of x, then w2 with SwiGLU as its
     # prologue. norm_weight: x is the block's residual stream and w13 applies the RMSNorm.
     import moe
+    from model import rms_norm
 
     N, k = expert_idx.shape
     E = w13.n_experts

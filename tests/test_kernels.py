@@ -234,7 +234,7 @@ def test_moe_decode_through_expert_gemv_equals_moe_py(mode):
     # gather, including another rank's expert ids (expert parallelism) that count as absent.
     import moe
     import quantize
-    from model import ModelArgs
+    from model import ModelArgs, rms_norm
 
     torch.manual_seed(2)
     cfg = ModelArgs(dim=64, intermediate_size=96, n_layer=1, n_head=4, vocab_size=64)
@@ -262,7 +262,7 @@ def test_moe_decode_through_expert_gemv_equals_moe_py(mode):
         # the block's RMSNorm left to w13's prologue: as if x came normalised
         nw = torch.rand(64, device=DEVICE) + 0.5
         unnormed = x * 4 + 1
-        normed = kernels.rms_norm(unnormed, nw, 1e-5)
+        normed = rms_norm(unnormed, nw, 1e-5)
         want = kernels.moe_experts(normed, ff.w13, ff.w2, ids, weights)
         got = kernels.moe_experts(unnormed, ff.w13, ff.w2, ids, weights, norm_weight=nw, eps=1e-5)
         torch.testing.assert_close(got, want, atol=3e-4 * want.abs().max().item(), rtol=3e-4)
