@@ -265,8 +265,8 @@ if triton is not None:
     @triton.jit
     def _int4_words(
         x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rstd, K, stride_wn, stride_sn, rn, n_ok, k_lo, k_hi,
-        G: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
+        G: tl.constexpr, SG: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
     ):  # fmt: skip
         # int4 rows as int32 words, the stored format read as is: nibble i (bits 4i..4i+3) of
         # word j is k = 8j + i. A float FMA per nibble needs 4-6 instructions with its unpacking,
@@ -319,8 +319,14 @@ if triton is not None:
             # sectors read were waste, and waiting on them was a third of the kernel's stalls).
             qx = tl.sum(tl.reshape(qx, [BLOCK_N, NG, G // 32]), axis=2)  # [BN, NG]
             xsum = tl.sum(tl.reshape(xsum, [NG, G // 32]), axis=1)  # [NG]
-            s_off = rn[:, None] * stride_sn + (tl.multiple_of(k // G, NG) + rg)[None, :]
-            sg_ok = n_ok[:, None] & ((k + G * rg) < k_hi)[None, :]
+            # Masked in runs of SG groups (SG divides the row's groups): a run starting in range
+            # is wholly inside the row, and a group past k_hi meets zero x, so its real scale
+            # adds nothing; the runs are single loads of SG groups.
+            s_off = (
+                rn[:, None] * tl.multiple_of(stride_sn, SG)
+                + (tl.multiple_of(k // G, NG) + rg)[None, :]
+            )
+            sg_ok = n_ok[:, None] & ((k + G * SG * (rg // SG)) < k_hi)[None, :]
             s = tl.load(s_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)  # [BN, NG]
             z = tl.load(z_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)
             acc += s * (qx - z * xsum[None, :])
@@ -330,8 +336,8 @@ if triton is not None:
     def _gemv_kernel(
         x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, e_ptr,
         M, N, K, eps, stride_xm, stride_wn, stride_sn, stride_rm, stride_ym, stride_we, stride_se,
-        x_share, FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-        GLU: tl.constexpr, RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        x_share, FMT: tl.constexpr, G: tl.constexpr, SG: tl.constexpr, HAS_BIAS: tl.constexpr,
+        NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, WORDS: tl.constexpr, EXPERTS: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
@@ -385,7 +391,7 @@ if triton is not None:
         elif WORDS and FMT == 2:
             out, ss_x = _int4_words(
                 x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, 1.0, K, stride_wn, stride_sn, rn, n_ok,
-                k_lo, k_hi, G, NORM, GLU, BLOCK_N, BLOCK_K, WORDS,
+                k_lo, k_hi, G, SG, NORM, GLU, BLOCK_N, BLOCK_K, WORDS,
             )  # fmt: skip
         elif FMT == 2 and BLOCK_K == G:
             # int4, many rows (prefill), one group per step: its scale and offset are [BLOCK_N]
@@ -666,6 +672,11 @@ def _gemv_launch(
     experts = expert_idx is not None
     # int4's scales are per group ([.., N, groups]); int8's and fp8's per row need no stride
     stride_sn = scales.stride(-2) if scales is not None and scales.dim() > 1 else 0
+    # int4 one-row: scales load in runs of SG groups, SG dividing a row's groups and a step's
+    sg = 1
+    if fmt == INT4 and words:
+        sg = next(v for v in (8, 4, 2, 1) if (K // groupsize) % v == 0 and
+                  (cfg["BLOCK_K"] // groupsize) % v == 0)  # fmt: skip
     tiles = M if experts else triton.cdiv(M, cfg["BLOCK_M"])
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k, tiles)
     _gemv_kernel[grid](
@@ -679,7 +690,7 @@ def _gemv_launch(
         r2.stride(0), y.stride(0),
         weight.stride(0) if experts else 0,
         scales.stride(0) if experts and scales is not None else 0, share,
-        EXPERTS=experts, FMT=fmt, G=max(groupsize, 2), HAS_BIAS=bias is not None,
+        EXPERTS=experts, FMT=fmt, G=max(groupsize, 2), SG=sg, HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", WORDS=words,
         **cfg, **dependent_launch(x),
