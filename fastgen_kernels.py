@@ -319,9 +319,8 @@ if triton is not None:
             # sectors read were waste, and waiting on them was a third of the kernel's stalls).
             qx = tl.sum(tl.reshape(qx, [BLOCK_N, NG, G // 32]), axis=2)  # [BN, NG]
             xsum = tl.sum(tl.reshape(xsum, [NG, G // 32]), axis=1)  # [NG]
-            # Masked in runs of SG groups (SG divides the row's groups): a run starting in range
-            # is wholly inside the row, and a group past k_hi meets zero x, so its real scale
-            # adds nothing; the runs are single loads of SG groups.
+            # Masked in runs of SG groups, each a single vector load: SG divides a step's groups
+            # and the row's, and a split ends on a whole step or at K, so no run straddles k_hi.
             s_off = (
                 rn[:, None] * tl.multiple_of(stride_sn, SG)
                 + (tl.multiple_of(k // G, NG) + rg)[None, :]
