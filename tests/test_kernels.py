@@ -119,6 +119,24 @@ def test_gemv_quantized_paths(fmt, K, words):
     torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
 
 
+@pytest.mark.parametrize("groups", [9, 10, 12, 16, 44])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_int4_scales_load_in_runs(groups, split_k):
+    # One-row int4 loads a step's group scales in runs of 8, 4, 2 or 1 (whatever divides both
+    # the row's groups and a step's 8): 9 groups -> runs of 1, 10 -> 2, 12 -> 4, 16 and 44 ->
+    # 8, 44 ending in a partial step; with split-K, each split's last step too. A run read
+    # past its end, or masked wrongly, moves the sums.
+    torch.manual_seed(groups)
+    K = 32 * groups
+    w = make(FMTS["int4"], 24, K, groupsize=32)
+    x = torch.randn(1, K, device=DEVICE)
+    ref = kernels.gemv_reference(x, fmt=FMTS["int4"], **w)
+    cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=256, SPLIT_K=split_k, num_warps=4, num_stages=2)
+    poison()
+    got = kernels.gemv(x, fmt=FMTS["int4"], config=cfg, **w)
+    torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
+
+
 @pytest.mark.parametrize("fmt", sorted(FMTS))
 @pytest.mark.parametrize("fusion", [None, "norm", "glu"])
 def test_gemm_tiles_cover_every_row(fmt, fusion):
