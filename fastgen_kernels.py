@@ -664,6 +664,8 @@ def _gemv_launch(
     if fmt == INT4 and cfg["BLOCK_M"] == 1 and not (words and aligned):
         # int4 rows of K/2 bytes, K a multiple of the group size (>= 32): always word-aligned
         raise ValueError("one-row int4 gemv needs a word-aligned weight and the word path")
+    if fmt == INT4 and cfg["BLOCK_M"] == 1 and cfg["BLOCK_K"] % groupsize:
+        raise ValueError("one-row int4 gemv needs BLOCK_K to be a whole number of groups")
     # 1: the word path in plain Triton; 2: with its PTX, which the interpreter cannot run
     words = int(words) * (1 if os.environ.get("TRITON_INTERPRET") == "1" else 2)
     if words:

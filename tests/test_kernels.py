@@ -135,6 +135,10 @@ def test_int4_scales_load_in_runs(groups, split_k):
     poison()
     got = kernels.gemv(x, fmt=FMTS["int4"], config=cfg, **w)
     torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
+    if groups % 16 == 0:  # a step of part of a group (256 groups 512 wide) is refused
+        w = make(FMTS["int4"], 24, K, groupsize=512)
+        with pytest.raises(ValueError, match="whole number of groups"):
+            kernels.gemv(x, fmt=FMTS["int4"], config=cfg, **w)
 
 
 @pytest.mark.parametrize("fmt", sorted(FMTS))
