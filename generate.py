@@ -67,6 +67,14 @@ def logits_to_probs(
     return torch.softmax(logits, dim=-1)
 
 
+def race(weights: Tensor) -> Tensor:
+    # weights [..., n] >= 0, not all zero -> an index [..., 1] drawn with probability
+    # proportional to them: argmax(w / Exp(1)) (an exponential race), no normalising needed and
+    # none of torch.multinomial's host sync.
+    q = torch.empty_like(weights).exponential_(1)
+    return torch.argmax(weights / q, dim=-1, keepdim=True)
+
+
 def sample(
     logits: Tensor, temperature: float, top_k: int | None = None, top_p: float = 1.0
 ) -> tuple[Tensor, Tensor | None]:
@@ -84,13 +92,10 @@ def sample(
         scaled = logits / max(temperature, 1e-5)
         values, idx = torch.topk(scaled, top_k, dim=-1, sorted=False)  # [B, top_k]
         p = torch.softmax(values, dim=-1)
-        q = torch.empty_like(p).exponential_(1)
-        token = idx.gather(-1, torch.argmax(p / q, dim=-1, keepdim=True))  # [B, 1]
+        token = idx.gather(-1, race(p))  # [B, 1]
         return token, torch.zeros_like(logits).scatter(-1, idx, p)
     probs = logits_to_probs(logits, temperature, top_k, top_p)
-    # Exponential race: argmax(p / Exp(1)) draws from p without torch.multinomial's host sync.
-    q = torch.empty_like(probs).exponential_(1)
-    return torch.argmax(probs / q, dim=-1, keepdim=True), probs
+    return race(probs), probs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ from generate import (
     load_for_rank,
     log,
     logits_to_probs,
+    race,
     read_config,
     read_later,
     sample,
@@ -195,9 +196,7 @@ def verify(
     residual = (p_n - q.index_select(0, n)).clamp(min=0)
     # Where p == q nothing is left, but then rejection had probability 0 (rounding): use p.
     residual = torch.where(residual.sum() > 0, residual, p_n)
-    # Exponential race as in generate.sample; it needs no normalising.
-    race = torch.empty_like(residual).exponential_(1)
-    return torch.cat([n, (residual / race).argmax(dim=-1)])
+    return torch.cat([n, race(residual)[0]])  # the residual needs no normalising
 
 
 # ---------------------------------------------------------------------------------------------
