@@ -291,6 +291,18 @@ if triton is not None:
             # whole blocks of 4 words in or out: the mask stays constant over each 16-byte load
             w_ok = n_ok[:, None] & ((k + 32 * (rw // 4)) < k_hi)[None, :]
             w = tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :], mask=w_ok, other=0)
+            # The step's group scales and offsets load with its weights, before the exchanges of
+            # x between threads below (their barriers would hold the loads back and leave their
+            # latency exposed). Masked in runs of SG groups, each a single vector load: SG
+            # divides a step's groups and the row's, and a split ends on a whole step or at K,
+            # so no run straddles k_hi.
+            s_off = (
+                rn[:, None] * tl.multiple_of(stride_sn, SG)
+                + (tl.multiple_of(k // G, NG) + rg)[None, :]
+            )
+            sg_ok = n_ok[:, None] & ((k + G * SG * (rg // SG)) < k_hi)[None, :]
+            s = tl.load(s_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)  # [BN, NG]
+            z = tl.load(z_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)
             kb = k + 32 * tl.arange(0, NB)  # [NB] first k of each block
             b_ok = kb < k_hi
             x_off = kb[:, None] + tl.arange(0, 32)[None, :]  # [NB, 32]
@@ -319,15 +331,6 @@ if triton is not None:
             # sectors read were waste, and waiting on them was a third of the kernel's stalls).
             qx = tl.sum(tl.reshape(qx, [BLOCK_N, NG, G // 32]), axis=2)  # [BN, NG]
             xsum = tl.sum(tl.reshape(xsum, [NG, G // 32]), axis=1)  # [NG]
-            # Masked in runs of SG groups, each a single vector load: SG divides a step's groups
-            # and the row's, and a split ends on a whole step or at K, so no run straddles k_hi.
-            s_off = (
-                rn[:, None] * tl.multiple_of(stride_sn, SG)
-                + (tl.multiple_of(k // G, NG) + rg)[None, :]
-            )
-            sg_ok = n_ok[:, None] & ((k + G * SG * (rg // SG)) < k_hi)[None, :]
-            s = tl.load(s_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)  # [BN, NG]
-            z = tl.load(z_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)
             acc += s * (qx - z * xsum[None, :])
         return tl.sum(acc, axis=1)[None, :], tl.sum(ss)  # [1, BN], as _int8_words
 
