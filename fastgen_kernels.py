@@ -190,7 +190,7 @@ if triton is not None:
     def _int8_words(
         x_ptr, w_ptr, nw_ptr, rstd, K, stride_wn, rn, n_ok, k_lo, k_hi,
         NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        WORDS: tl.constexpr,
+        WORDS: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         # int8 rows as int32 words: byte t of word j is k = 4j + t. XOR 0x80 makes u = q + 128
         # unsigned; each byte is moved to bits 8..15 (b = 8), v = 1 + u / 2^15.
@@ -200,7 +200,7 @@ if triton is not None:
         acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
         xs = tl.zeros([BW], dtype=tl.float32)
         ss = tl.zeros([BW], dtype=tl.float32)
-        for k in range(k_lo, k_hi, BLOCK_K):
+        for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             kw = k // 4 + rw  # [BW] word index
             w_ok = n_ok[:, None] & (kw < k_hi // 4)[None, :]
             w = tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :], mask=w_ok, other=0)
@@ -266,7 +266,7 @@ if triton is not None:
     def _int4_words(
         x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rstd, K, stride_wn, stride_sn, rn, n_ok, k_lo, k_hi,
         G: tl.constexpr, SG: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         # int4 rows as int32 words, the stored format read as is: nibble i (bits 4i..4i+3) of
         # word j is k = 8j + i. A float FMA per nibble needs 4-6 instructions with its unpacking,
@@ -286,7 +286,7 @@ if triton is not None:
         shift = 8 * tl.arange(0, 4)
         acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
         ss = tl.zeros([NB], dtype=tl.float32)
-        for k in range(k_lo, k_hi, BLOCK_K):
+        for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             kw = k // 8 + rw  # [BW] word index
             # whole blocks of 4 words in or out: the mask stays constant over each 16-byte load
             w_ok = n_ok[:, None] & ((k + 32 * (rw // 4)) < k_hi)[None, :]
@@ -342,6 +342,7 @@ if triton is not None:
         NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, WORDS: tl.constexpr, EXPERTS: tl.constexpr, PDL: tl.constexpr,
+        STAGES: tl.constexpr,
     ):  # fmt: skip
         # y[m, n] = sum_k x'[m, k] * W[n, k] (+ bias[n]) (+ residual[m, n]), x' = prologue(x).
         # BLOCK_M == 1: elementwise products summed once at the end (no tensor cores needed);
@@ -387,13 +388,13 @@ if triton is not None:
         if WORDS and FMT == 1:
             out, ss_x = _int8_words(
                 x_ptr, w_ptr, nw_ptr, 1.0, K, stride_wn, rn, n_ok, k_lo, k_hi,
-                NORM, GLU, BLOCK_N, BLOCK_K, WORDS,
+                NORM, GLU, BLOCK_N, BLOCK_K, WORDS, STAGES,
             )  # fmt: skip
             out = out * tl.load(s_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
         elif WORDS and FMT == 2:
             out, ss_x = _int4_words(
                 x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, 1.0, K, stride_wn, stride_sn, rn, n_ok,
-                k_lo, k_hi, G, SG, NORM, GLU, BLOCK_N, BLOCK_K, WORDS,
+                k_lo, k_hi, G, SG, NORM, GLU, BLOCK_N, BLOCK_K, WORDS, STAGES,
             )  # fmt: skip
         elif FMT == 2 and BLOCK_K == G:
             # int4, many rows (prefill), one group per step: its scale and offset are [BLOCK_N]
@@ -425,7 +426,7 @@ if triton is not None:
             rg = tl.arange(0, NG)
             rj = tl.arange(0, HG)
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k in range(k_lo, k_hi, BLOCK_K):
+            for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
                 g_ok = (k + rg * G) < k_hi  # [NG]
                 w_off = rn[:, None, None] * stride_wn + (k // 2 + rg * HG)[None, :, None] + rj
                 w_ok = n_ok[:, None, None] & g_ok[None, :, None]
@@ -466,7 +467,7 @@ if triton is not None:
                 ss_k = tl.zeros([BLOCK_K], dtype=tl.float32)
             else:
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k in range(k_lo, k_hi, BLOCK_K):
+            for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
                 kk = k + rk
                 k_ok = kk < k_hi
                 w = tl.load(
@@ -539,20 +540,24 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
         return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=split,
                     num_warps=4, num_stages=3)  # fmt: skip
     block_m = 1 if M == 1 else 16
+    # STAGES: K steps the one-row loop loads ahead through shared memory (cp.async). Round 12's
+    # decode A/B on the H200: 3 against a plain loop took Llama-2-7B int4 g32 from 494 to 536
+    # tok/s and bf16 from 246 to 256; square weights and bf16's w2 were faster without it
+    # alone (bench_results/h200_kernels_stages_round12_2026-12-04.json).
+    stages = 3
     if fmt == INT8 and block_m == 1 and experts:  # the word path; Mixtral's: 90% and 73%
-        cfg = dict(BLOCK_N=8, BLOCK_K=1024 if N > 3 * K else 2048, num_warps=4, num_stages=3)
+        cfg = dict(BLOCK_N=8, BLOCK_K=1024 if N > 3 * K else 2048, num_warps=4)
     elif fmt == INT8 and block_m == 1:
-        # The word path, from round 10's sweep on the Llama-2-7B and 3.1-8B shapes: wqkv 68%
-        # (7B), w13 78% and 84%, w2 63% and 73%, the output layer 91% and 101% (L2 hits).
+        # The word path, from round 10's and 12's sweeps on the Llama-2-7B and 3.1-8B shapes:
+        # wqkv 80% (7B), w13 84%, w2 65%, the output layer 92% (L2 hits).
         if N < K:
-            cfg = dict(BLOCK_N=16, BLOCK_K=2048, num_warps=8)
+            cfg, stages = dict(BLOCK_N=16, BLOCK_K=2048, num_warps=8), 1
         elif N == K:
-            cfg = dict(BLOCK_N=8, BLOCK_K=2048, num_warps=4)
+            cfg, stages = dict(BLOCK_N=8, BLOCK_K=2048, num_warps=4), 1
         elif N >= 7 * K:
-            cfg = dict(BLOCK_N=32, BLOCK_K=512, num_warps=4)
+            cfg, stages = dict(BLOCK_N=32, BLOCK_K=512, num_warps=4), 1
         else:
-            cfg = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4)
-        cfg["num_stages"] = 3
+            cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4)
     elif fmt == INT4 and block_m == 1:  # the word path (dp4a)
         # Round 10's sweep (Llama-2-7B, Llama-3.1-8B and Mixtral expert shapes, with their
         # fusions): w2 4096x11008 12.1 us (56%) against 14.7 with 64 rows split 4 ways, Mixtral's
@@ -563,19 +568,29 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
         elif N == K:
             cfg = dict(BLOCK_N=8 if groupsize < 64 else 16, BLOCK_K=2048,
                        num_warps=4 if groupsize < 64 else 8)  # fmt: skip
+            stages = 1
         elif experts:
             cfg = dict(BLOCK_N=8, BLOCK_K=2048, num_warps=4)
         else:
             cfg = dict(BLOCK_N=16, BLOCK_K=2048 if N < 2 * K else 1024, num_warps=4)
-        cfg["num_stages"] = 3
+            stages = 1 if N > 7 * K else 3  # the output layer: 89% plain, 85% pipelined
     elif fmt == INT4:
-        cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
+        cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4)
     elif N <= 64 and block_m == 1:  # a router's few rows: one program reads the whole weight
-        cfg = dict(BLOCK_N=8, BLOCK_K=2048, num_warps=8, num_stages=3)
+        cfg, stages = dict(BLOCK_N=8, BLOCK_K=2048, num_warps=8), 1
+    elif block_m == 1 and N < K:  # float weights; w2: 79% plain, 71% pipelined
+        cfg, stages = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4), 1
+    elif block_m == 1 and N == K:  # wo: 69% (59% with 8 rows, plain)
+        cfg = dict(BLOCK_N=4, BLOCK_K=512, num_warps=4)
+    elif block_m == 1 and N < 7 * K:  # wqkv, w13: 92% and 97% (85% and 88% plain)
+        cfg = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
     else:
-        cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, num_stages=3)
+        cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)
+    cfg["num_stages"] = 3  # the row tiles' tl.dot pipelining
     if block_m > 1:
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], 16)
+    else:
+        cfg["STAGES"] = stages
     split = split_k(N, K, cfg["BLOCK_N"], cfg["BLOCK_K"], max(experts, 1))
     return dict(cfg, BLOCK_M=block_m, SPLIT_K=split)
 
@@ -659,6 +674,9 @@ def _gemv_launch(
     if weight.dtype == torch.float8_e4m3fn:
         weight = weight.view(torch.uint8)
     words = cfg.pop("WORDS", None)
+    # STAGES: how many K steps the loop keeps loading ahead (cp.async into shared memory);
+    # a plain loop (1) for the row tiles, whose tl.dot loads Triton pipelines by num_stages.
+    stages = cfg.pop("STAGES", 1 if cfg["BLOCK_M"] == 1 else cfg["num_stages"])
     aligned = (
         weight.shape[-1] % 4 == 0 and weight.stride(-1) == 1 and weight.storage_offset() % 4 == 0
     )
@@ -697,7 +715,7 @@ def _gemv_launch(
         EXPERTS=experts, FMT=fmt, G=max(groupsize, 2), SG=sg, HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", WORDS=words,
-        **cfg, **dependent_launch(x),
+        STAGES=stages, **cfg, **dependent_launch(x),
     )  # fmt: skip
     if experts:
         return y.to(x.dtype)  # [M, N]

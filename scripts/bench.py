@@ -610,8 +610,9 @@ def bench_prefill(models, device, rows_list, peak_tflops=None) -> list:
 
 
 def sweep_configs(fmt, N, K, groupsize=32, experts=0):
-    # The launch parameters that matter most: rows per program, columns per step, warps; for
-    # int8 also the element-wise path against the 32-bit-word one. The default comes first.
+    # The launch parameters that matter most: rows per program, columns per step, warps, K steps
+    # loaded ahead; for int8 also the element-wise path against the 32-bit-word one. The
+    # default comes first.
     # experts: the rows of an expert GEMV (each its own expert).
     import fastgen_kernels as kernels
 
@@ -627,11 +628,14 @@ def sweep_configs(fmt, N, K, groupsize=32, experts=0):
         grid = [(8, 1024, 4), (8, 2048, 4), (16, 2048, 4), (32, 512, 4), (32, 1024, 4)]
         grid += [(16, 1024, 8), (16, 2048, 8)]
     configs = [default]
+    configs += [dict(default, STAGES=s) for s in (1, 2, 3, 4) if s != default["STAGES"]]
     if fmt == kernels.INT8:  # one-row int4 has the word path only
         configs.append(dict(default, WORDS=False))
     for bn, bk, warps in grid:
         split = kernels.split_k(N, K, bn, bk, max(experts, 1))
-        configs.append(dict(default, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, SPLIT_K=split))
+        for stages in (1, 3):  # a plain loop, and K steps loaded ahead through shared memory
+            cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, SPLIT_K=split, STAGES=stages)
+            configs.append(dict(default, **cfg))
     return configs
 
 

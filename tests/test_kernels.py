@@ -41,7 +41,8 @@ SHAPES = [(37, 256), (64, 512), (129, 384)] + (
 @pytest.mark.parametrize("fmt", sorted(FMTS))
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_gemv_matches_reference(fmt, rows, split_k):
+@pytest.mark.parametrize("stages", [1, 3])  # 3: K steps loaded ahead (on GPU, cp.async)
+def test_gemv_matches_reference(fmt, rows, split_k, stages):
     torch.manual_seed(rows + split_k)
     for N, K in SHAPES:
         w = make(FMTS[fmt], N, K)
@@ -55,6 +56,7 @@ def test_gemv_matches_reference(fmt, rows, split_k):
             SPLIT_K=split_k,
             num_warps=4,
             num_stages=2,
+            STAGES=stages,
         )
         poison()
         got = kernels.gemv(x, fmt=FMTS[fmt], bias=b, config=cfg, **w)
