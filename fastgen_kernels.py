@@ -525,8 +525,8 @@ def dependent_launch(x: Tensor) -> dict:
 
 
 def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: int = 0) -> dict:
-    # Launch parameters by shape, from sweeps on an H200 (scripts/bench.py --sweep; round 10's
-    # in bench_results/h200_kernels_*round10*.json):
+    # Launch parameters by shape, from sweeps on an H200 (scripts/bench.py --sweep; rounds 10
+    # and 12 in bench_results/h200_kernels_*round1[02]*.json) and decode A/B runs:
     # enough 16-byte loads in flight per SM and enough programs to cover its 132 SMs. experts:
     # the rows of an expert GEMV (each its own expert's weights, M is then 1), which multiply
     # the programs.
@@ -545,8 +545,11 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
     # tok/s and bf16 from 246 to 256; square weights and bf16's w2 were faster without it
     # alone (bench_results/h200_kernels_stages_round12_2026-12-04.json).
     stages = 3
-    if fmt == INT8 and block_m == 1 and experts:  # the word path; Mixtral's: 90% and 73%
-        cfg = dict(BLOCK_N=8, BLOCK_K=1024 if N > 3 * K else 2048, num_warps=4)
+    if fmt == INT8 and block_m == 1 and experts:  # the word path; Mixtral's: 95% and 78%
+        if N > K:
+            cfg, stages = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4), 4
+        else:
+            cfg = dict(BLOCK_N=16, BLOCK_K=1024, num_warps=4)
     elif fmt == INT8 and block_m == 1:
         # The word path, from round 10's and 12's sweeps on the Llama-2-7B and 3.1-8B shapes:
         # wqkv 80% (7B), w13 84%, w2 65%, the output layer 92% (L2 hits).
@@ -565,15 +568,18 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
         # 10.4 us, Mixtral's two w13 experts 43 against 50 us.
         if N < K:
             cfg = dict(BLOCK_N=16, BLOCK_K=2048, num_warps=8)
+            stages = 3 if groupsize < 64 or experts else 1
         elif N == K:
             cfg = dict(BLOCK_N=8 if groupsize < 64 else 16, BLOCK_K=2048,
                        num_warps=4 if groupsize < 64 else 8)  # fmt: skip
             stages = 1
-        elif experts:
-            cfg = dict(BLOCK_N=8, BLOCK_K=2048, num_warps=4)
+        elif experts:  # Mixtral's w13: 89% (78% with 8 rows x 2048, plain)
+            cfg = dict(BLOCK_N=16, BLOCK_K=1024, num_warps=4)
         else:
             cfg = dict(BLOCK_N=16, BLOCK_K=2048 if N < 2 * K else 1024, num_warps=4)
-            stages = 1 if N > 7 * K else 3  # the output layer: 89% plain, 85% pipelined
+            # The output layer: 89% plain, 85% pipelined. Groups of 128 have a quarter of the
+            # scale loads and decode faster plain (Llama-3.1-8B g128: 531.5 against 514.8 tok/s).
+            stages = 1 if N > 7 * K or groupsize >= 64 else 3
     elif fmt == INT4:
         cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4)
     elif N <= 64 and block_m == 1:  # a router's few rows: one program reads the whole weight
