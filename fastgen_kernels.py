@@ -894,16 +894,21 @@ def _decode_attention_launch(
     input_pos: Tensor,
     freqs_cis: Tensor | None = None,
     n_head: int = 0,
+    config: dict | None = None,
 ) -> Tensor:
     # q [B, H, 1, D] rotated, the cache written -> [B, H, 1, D]. With freqs_cis [B|1, 1, D/2, 2]:
     # q is the fused projection [B, 1, (n_head + 2 H_kv) * D] as wqkv gives it, rotated and
     # written to the cache here -> [B, 1, n_head * D], as Attention.attend_qkv returns.
+    # config: launch parameters (CHUNK, BLOCK_S, num_warps, num_stages) in place of the
+    # defaults, as scripts/bench.py --sweep tries them.
     qkv = freqs_cis is not None
     H_kv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     B, H = q.shape[0], n_head if qkv else q.shape[1]
     group = H // H_kv
     group_pad = max(16, triton.next_power_of_2(group))
-    chunk = attention_chunk(S)
+    cfg = dict(CHUNK=attention_chunk(S), num_warps=4, num_stages=2) | (config or {})
+    chunk = cfg.pop("CHUNK")
+    cfg.setdefault("BLOCK_S", min(64, chunk))
     n_split = triton.cdiv(S, chunk)
     direct = n_split == 1
     shape = (B * H_kv, n_split, group_pad) if not direct else (1, 1, 1)
@@ -917,9 +922,9 @@ def _decode_attention_launch(
         q.stride(0), 0 if qkv else q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out, H_kv, n_split, f, f.stride(0) if qkv and f.shape[0] > 1 else 0,
-        GROUP=group, GROUP_PAD=group_pad, D=D, CHUNK=chunk, BLOCK_S=min(64, chunk),
-        DIRECT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QKV=qkv,
-        num_warps=4, num_stages=2, **dependent_launch(q),
+        GROUP=group, GROUP_PAD=group_pad, D=D, CHUNK=chunk, DIRECT=direct,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QKV=qkv,
+        **cfg, **dependent_launch(q),
     )  # fmt: skip
     if not direct:
         _attn_combine_kernel[(B * H,)](

@@ -565,6 +565,111 @@ def bench_kernels(models, device, bandwidth, sweep=False, modes=None):
     return results
 
 
+# (cache slots, position) at which decode attention is timed alone: the protocol's short
+# context, and 4k and 32k as the context metric decodes them.
+ATTENTION_CONTEXTS = ((256, 200), (4352, 4096), (33024, 32768))
+
+
+def attention_sweep(slots: int) -> list:
+    # Launch parameters for decode attention: sequence slots per program (fewer: more programs
+    # and a combine step), slots per loop step, warps, pipeline depth. The default comes first.
+    import fastgen_kernels as kernels
+
+    default = kernels.attention_chunk(slots)
+    chunks = sorted({default, max(64, default // 4), max(64, default // 2)})
+    configs = [None]
+    for chunk in chunks:
+        for block_s in (32, 64, 128):
+            if block_s > chunk:
+                continue
+            for warps, stages in ((4, 2), (4, 3), (8, 2)):
+                configs.append(dict(CHUNK=chunk, BLOCK_S=block_s, num_warps=warps,
+                                    num_stages=stages))  # fmt: skip
+    return configs
+
+
+def bench_attention(models, device, bandwidth, sweep=False) -> list:
+    # Decode attention alone as a step runs it (FusedBlock's kernel: rotary embedding, cache
+    # write, attention over the filled slots) for each model's heads. A sweep keeps the fastest
+    # launch whose output matches the default's.
+    import os
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        log("attention: timed on CUDA (or in Triton's interpreter) only")
+        return []
+    results = []
+    for name in models:
+        c = ModelArgs.from_name(name) if isinstance(name, str) else name
+        contexts = ATTENTION_CONTEXTS if device.type == "cuda" else ((64, 40),)
+        for slots, pos in contexts:
+            if pos >= c.block_size and c.rope_scaling is None and device.type == "cuda":
+                continue  # beyond what the model was trained for (Llama-2: 4096)
+            best = attention_case(c, slots, pos, device, bandwidth, sweep)
+            if best is None:
+                continue
+            best["model"] = name if isinstance(name, str) else "custom"
+            results.append(best)
+            log(
+                f"{best['model']} attention, {slots} slots at position {pos}: "
+                f"{best['us']:.1f} us, {best['gb_s']:.0f} GB/s ({best['pct']:.0f}%)"
+                + (f", best {best['config']}" if sweep else "")
+            )
+    return results
+
+
+def attention_case(c: ModelArgs, slots, pos, device, bandwidth, sweep) -> dict | None:
+    # One model's heads, a cache of `slots` filled up to `pos`, caches rotated beyond L2;
+    # bandwidth counts the keys and values read.
+    import fastgen_kernels as kernels
+
+    H, H_kv, D = c.n_head, c.n_kv_heads, c.head_dim
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elt = torch.finfo(dtype).bits // 8
+    copies = min(16, L2_BYTES // (2 * H_kv * slots * D * elt) + 1)
+    shape = (1, H_kv, slots, D)
+    caches = [(torch.randn(shape, device=device, dtype=dtype),
+               torch.randn(shape, device=device, dtype=dtype)) for _ in range(copies)]  # fmt: skip
+    qkv = torch.randn(1, 1, (H + 2 * H_kv) * D, device=device, dtype=dtype)
+    angle = torch.rand(1, 1, D // 2, device=device) * 6.28
+    freqs = torch.stack([angle.cos(), angle.sin()], dim=-1)  # [1, 1, D/2, 2]
+    input_pos = torch.tensor([pos], device=device)
+    nbytes = 2 * H_kv * (pos + 1) * D * elt
+
+    def run(cfg, i=0):
+        k, v = caches[i % copies]
+        return kernels._decode_attention_launch(qkv, k, v, input_pos, freqs, H, config=cfg)
+
+    want = run(None).float()
+    best = None
+    for cfg in attention_sweep(slots) if sweep else [None]:
+        try:
+            err = ((run(cfg).float() - want).abs().max() / want.abs().max()).item()
+        except Exception as e:  # noqa: BLE001 - a sweep config may not compile
+            log(f"  attention config {cfg} failed: {str(e).splitlines()[0][:100]}")
+            continue
+
+        def run_many(cfg=cfg):
+            for i in range(20):
+                run(cfg, i)
+
+        if device.type == "cuda":
+            run_many()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run_many()
+            dt = timed(graph.replay, device, reps=10) / 20
+        else:
+            dt = timed(run_many, device, reps=1, warmup=0) / 20
+        r = dict(layer="attention", slots=slots, pos=pos, bytes=nbytes, us=dt * 1e6,
+                 gb_s=nbytes / dt / 1e9, pct=100 * nbytes / dt / bandwidth, rel_err=err,
+                 config=cfg)  # fmt: skip
+        if sweep:
+            log(f"    {cfg}: {r['us']:.1f} us, err {err:.1e}")
+        if err < 1e-2 and (best is None or r["us"] < best["us"]):
+            best = r
+    return best
+
+
 def bench_prefill(models, device, rows_list, peak_tflops=None) -> list:
     # Quantized weights against many rows (prefill): gemv's GEMM tiles, which dequantize each
     # tile in registers, against dequantizing the whole weight for a cuBLAS matmul, per layer.
@@ -727,6 +832,7 @@ def main(
         report["kernels"] = bench_kernels(
             names, dev, report["read_gb_s"] * 1e9, sweep, kernel_modes
         )  # fmt: skip
+        report["attention"] = bench_attention(names, dev, report["read_gb_s"] * 1e9, sweep)
         if prefill_rows:
             rows = [int(r) for r in prefill_rows.split(",")]
             report["prefill"] = bench_prefill(names, dev, rows, peak)

@@ -415,3 +415,21 @@ def test_gemv_linear_routes_quantized_rows_by_count(monkeypatch):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x), linear(x), atol=1e-4, rtol=1e-4)
     assert calls == [1, 40, kernels.TILE_ROWS]
+
+
+def test_bench_times_decode_attention_and_sweeps_it():
+    # scripts/bench.py --kernels_only also times decode attention alone (the fused kernel as a
+    # step runs it); --sweep tries its launch shapes (sequence chunks, loop steps, warps) and
+    # keeps the fastest whose output matches the default's.
+    import bench
+    from model import ModelArgs
+
+    config = ModelArgs(dim=256, n_head=4, n_kv_heads=2, n_layer=1, vocab_size=64)  # head_dim 64
+    device = torch.device(DEVICE)
+    configs = bench.attention_sweep(64)
+    assert configs[0] is None and {c["BLOCK_S"] for c in configs[1:]} == {32, 64}
+    (res,) = bench.bench_attention([config], device, 1e9, sweep=not GPU)
+    assert res["layer"] == "attention" and res["rel_err"] < 1e-2
+    if not GPU:  # the CPU case: 64 slots filled up to position 40, float32 keys and values
+        assert (res["slots"], res["pos"]) == (64, 40)
+        assert res["bytes"] == 2 * 2 * 41 * 64 * 4
