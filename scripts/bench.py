@@ -453,6 +453,23 @@ def expert_stack(fmt, n_experts, N, K, device, groupsize=32) -> dict:
     return dict(stack, groupsize=groupsize) if "zeros" in stack else stack
 
 
+def time_launches(launch, device, n: int = 20) -> float:
+    # Seconds per kernel launch: launch(i) for i < n, each on its own rotating inputs, in one
+    # CUDA graph, as a decode step runs them; timing replays measures the GPU, not Python's
+    # launch overhead. On CPU (Triton's interpreter or references): plain calls.
+    def run_many():
+        for i in range(n):
+            launch(i)
+
+    if device.type != "cuda":
+        return timed(run_many, device, reps=1, warmup=0) / n
+    run_many()  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_many()
+    return timed(graph.replay, device, reps=10) / n
+
+
 def bench_gemv(
     fmt, N, K, device, bandwidth, config=None, groupsize=32, rows=1, fusion=None, experts=(0, 0)
 ):  # fmt: skip
@@ -485,21 +502,11 @@ def bench_gemv(
     got = kernels.gemv(x, **one, fmt=fmt, config=config, expert_idx=picks[0], **fused)
     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
-    # 20 launches over rotating copies in one CUDA graph, as in a decode step: timing replays
-    # measures the GPU, not Python's launch overhead.
-    def run_many():
-        for i in range(20):
-            w = copies[i % len(copies)]
-            kernels.gemv(x, **w, fmt=fmt, config=config, expert_idx=picks[i], **fused)
+    def launch(i):
+        w = copies[i % len(copies)]
+        kernels.gemv(x, **w, fmt=fmt, config=config, expert_idx=picks[i], **fused)
 
-    if device.type == "cuda":
-        run_many()  # compile before capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run_many()
-        dt = timed(graph.replay, device, reps=10) / 20
-    else:
-        dt = timed(run_many, device, reps=3) / 20
+    dt = time_launches(launch, device)
     return dict(
         N=N,
         K=K,
@@ -648,18 +655,7 @@ def attention_case(c: ModelArgs, slots, pos, device, bandwidth, sweep) -> dict |
             log(f"  attention config {cfg} failed: {str(e).splitlines()[0][:100]}")
             continue
 
-        def run_many(cfg=cfg):
-            for i in range(20):
-                run(cfg, i)
-
-        if device.type == "cuda":
-            run_many()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run_many()
-            dt = timed(graph.replay, device, reps=10) / 20
-        else:
-            dt = timed(run_many, device, reps=1, warmup=0) / 20
+        dt = time_launches(lambda i, cfg=cfg: run(cfg, i), device)
         r = dict(layer="attention", slots=slots, pos=pos, bytes=nbytes, us=dt * 1e6,
                  gb_s=nbytes / dt / 1e9, pct=100 * nbytes / dt / bandwidth, rel_err=err,
                  config=cfg)  # fmt: skip
