@@ -78,27 +78,41 @@ def random_model(
     name: str, mode: str, device, dtype, use_kernels: bool = True, seed: int = 0
 ) -> Transformer:
     # Same path as loading a checkpoint: build on meta, materialise, quantize, kernels. The same
-    # seed gives the same weights before quantization, whatever the mode.
+    # seed gives the same weights before quantization, whatever the mode. One block at a time:
+    # materialised and quantized before the next, so that building a quantized model never
+    # holds all of its bfloat16 weights (Mixtral-8x7B's are 93 GB; its int4 model fits an
+    # 80 GB GPU).
     config = ModelArgs.from_name(name) if isinstance(name, str) else name
     with torch.device("meta"):
         model = Transformer(config).to(dtype)  # dtype first: materialise once, in the target dtype
-    model = model.to_empty(device=device)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)  # random, never zeros: zeros can flatter caches and compressors
-    if config.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
+    kind, _, group = mode.replace("-gptq", "").partition(".g")  # int4-gptq: int4's format
+    quantized = set()
     if mode != "bf16":
         import quantize
 
-        # int4-gptq stores the same format as int4: its speed is int4's.
-        kind, _, group = mode.replace("-gptq", "").partition(".g")
-        for name in quantize.linear_names(model, skip_output=False):
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name)
-            linear = getattr(parent, child)
-            setattr(parent, child, quantize.quantize_linear(linear, kind, int(group or 0) or None))
+        quantized = set(quantize.linear_names(model, skip_output=False))
+    units = [("tok_embeddings", model.tok_embeddings)]
+    units += [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
+    units += [("norm", model.norm)]
+    if not config.tie_embeddings:
+        units += [("output", model.output)]
+    torch.manual_seed(seed)
+    for prefix, unit in units:
+        unit.to_empty(device=device)
+        with torch.no_grad():
+            for p in unit.parameters():
+                p.normal_(0, 0.02)  # random, never zeros: zeros can flatter caches and compressors
+        for name, module in list(unit.named_modules()):
+            full = f"{prefix}.{name}" if name else prefix
+            if full in quantized:
+                parent_name, _, child = full.rpartition(".")
+                q = quantize.quantize_linear(module, kind, int(group or 0) or None)
+                setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
+    if config.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+        if "output" in quantized:
+            model.output = quantize.quantize_linear(model.output, kind, int(group or 0) or None)
+    if mode != "bf16":
         quantize.finalize_model(model, device)
     return setup_for_device(tp.apply_tp(model.eval()), device, use_kernels)  # torchrun: shard
 

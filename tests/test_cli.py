@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = [
@@ -84,3 +85,38 @@ def test_bench_checks_its_flags_first():
     bench.check_arguments(
         "bf16,int8,int4.g32,int4-gptq.g128,fp8", "decode,ttft", 1, 1, "0,0.8", "int4", "17,2048"
     )
+
+
+def test_bench_builds_a_quantized_model_a_block_at_a_time(monkeypatch):
+    # bench.random_model quantizes each block before it materialises the next, so that a
+    # quantized Mixtral never holds all of its bfloat16 weights (93 GB); and the seed still gives
+    # the weights a whole-model build gives, block by block.
+    import bench
+    import quantize
+    from model import ModelArgs
+
+    cfg = ModelArgs(dim=64, intermediate_size=96, n_layer=3, n_head=4, vocab_size=64)
+    cfg.num_experts, cfg.num_activated_experts = 4, 2
+    plain = bench.random_model(cfg, "bf16", torch.device("cpu"), torch.bfloat16, use_kernels=False)
+    materialised, seen = [0], []  # to_empty calls so far; that count at each quantize call
+    to_empty, quantize_linear = torch.nn.Module.to_empty, quantize.quantize_linear
+
+    def count_to_empty(module, **kwargs):
+        materialised[0] += 1
+        return to_empty(module, **kwargs)
+
+    def spy(*args):
+        seen.append(materialised[0])
+        return quantize_linear(*args)
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", count_to_empty)
+    monkeypatch.setattr(quantize, "quantize_linear", spy)
+    model = bench.random_model(cfg, "int4.g32", torch.device("cpu"), torch.bfloat16, False)
+    # the embedding, then each block's 4 quantized linears (wqkv, wo, w13, w2 experts) before
+    # the next block, then the norm and the output layer
+    assert seen == [2] * 4 + [3] * 4 + [4] * 4 + [6]
+    torch.testing.assert_close(model.tok_embeddings.weight, plain.tok_embeddings.weight)
+    for i in range(3):
+        w, want = model.layers[i].attention.wqkv, plain.layers[i].attention.wqkv.weight.float()
+        deq = quantize.dequantize_int4(w.weight, w.scales, w.zeros, 32).float()
+        assert (deq - want).abs().max() < 0.1 * want.abs().max()  # int4 of the same weights
