@@ -86,32 +86,34 @@ def random_model(
     with torch.device("meta"):
         model = Transformer(config).to(dtype)  # dtype first: materialise once, in the target dtype
     kind, _, group = mode.replace("-gptq", "").partition(".g")  # int4-gptq: int4's format
-    quantized = set()
+    names = []  # the linears to quantize, in model order
     if mode != "bf16":
         import quantize
 
-        quantized = set(quantize.linear_names(model, skip_output=False))
-    units = [("tok_embeddings", model.tok_embeddings)]
-    units += [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
-    units += [("norm", model.norm)]
+        names = quantize.linear_names(model, skip_output=False)
+
+    def swap(name):  # model's linear `name` -> its quantized form, in place
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = quantize.quantize_linear(getattr(parent, child), kind, int(group or 0) or None)
+        setattr(parent, child, linear)
+
+    units = ["tok_embeddings", *(f"layers.{i}" for i in range(config.n_layer)), "norm"]
     if not config.tie_embeddings:
-        units += [("output", model.output)]
+        units.append("output")
     torch.manual_seed(seed)
-    for prefix, unit in units:
-        unit.to_empty(device=device)
+    for unit in units:
+        module = model.get_submodule(unit).to_empty(device=device)
         with torch.no_grad():
-            for p in unit.parameters():
+            for p in module.parameters():
                 p.normal_(0, 0.02)  # random, never zeros: zeros can flatter caches and compressors
-        for name, module in list(unit.named_modules()):
-            full = f"{prefix}.{name}" if name else prefix
-            if full in quantized:
-                parent_name, _, child = full.rpartition(".")
-                q = quantize.quantize_linear(module, kind, int(group or 0) or None)
-                setattr(model.get_submodule(parent_name) if parent_name else model, child, q)
+        for name in names:
+            if name == unit or name.startswith(unit + "."):
+                swap(name)
     if config.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-        if "output" in quantized:
-            model.output = quantize.quantize_linear(model.output, kind, int(group or 0) or None)
+        if "output" in names:
+            swap("output")
     if mode != "bf16":
         quantize.finalize_model(model, device)
     return setup_for_device(tp.apply_tp(model.eval()), device, use_kernels)  # torchrun: shard
