@@ -988,6 +988,170 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, input_pos: Tensor) -> 
 
 
 # ---------------------------------------------------------------------------------------------
+# Top-k sampling
+# ---------------------------------------------------------------------------------------------
+# One token per row of logits [B, V], drawn from softmax(logits / T) over the top_k largest
+# logits and any tied with the k-th (generate.logits_to_probs's rule), in two kernels where
+# torch.topk's radix select took about 20 kernels and 45 us of a Llama-2-7B step (H200):
+#   1. each chunk's maximum, the row cut into at least top_k chunks. The smallest of them, t0,
+#      has at least top_k values >= it (one per chunk), so the k-th largest value is >= t0:
+#      every token that can be drawn is >= t0, and few others are (~1500 of 32k or 128k random
+#      normal logits at top_k 200).
+#   2. programs over the row append their values >= t0 to a candidate list; the last one to
+#      finish finds the k-th largest candidate by bisection over the values' bits, then draws
+#      among the candidates >= it by the Gumbel-max trick: argmax(v / T + g), g = -log(-log(u)),
+#      u uniform from Philox keyed by the row's seed and the token's index.
+TOP_K_MAX = 256  # larger top_k: generate.sample's PyTorch path (the filter keeps too many)
+TOP_K_CAP = 4096  # candidates the last program holds in registers; the rest it reads in tiles
+
+
+def top_k_chunk(V: int, top_k: int) -> int:
+    # a power of two, at most 4096, that cuts V into at least top_k chunks (top_k <= V)
+    return min(4096, 1 << ((V // top_k).bit_length() - 1))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _order_key(v):
+        # float32 -> int32 of the same order (NaN aside; -0.0 made +0.0, as they compare equal)
+        b = tl.where(v == 0, 0.0, v).to(tl.int32, bitcast=True)
+        return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
+    def _chunk_max_kernel(
+        x_ptr, m_ptr, cnt_ptr, V, n_chunks, stride_x, CHUNK: tl.constexpr, CHUNKS: tl.constexpr
+    ):
+        # x [B, V] -> m [B, n_chunks], each CHUNK-long chunk's maximum; zeroes the row's two
+        # counters (candidates, programs finished) for the kernel after.
+        row = tl.program_id(0)
+        c = tl.program_id(1) * CHUNKS + tl.arange(0, CHUNKS)  # [CHUNKS] chunk numbers
+        off = c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+        x = tl.load(x_ptr + row * stride_x + off, mask=off < V, other=float("-inf"))
+        tl.store(m_ptr + row * n_chunks + c, tl.max(x.to(tl.float32), axis=1), mask=c < n_chunks)
+        if tl.program_id(1) == 0:
+            tl.store(cnt_ptr + 2 * row + tl.arange(0, 2), tl.zeros([2], dtype=tl.int32))
+
+    @triton.jit
+    def _gumbel_race(v, i, keep, seed, temperature):
+        # candidates v [n] at tokens i [n], keep [n] -> (best score, its token): the largest
+        # v / T + Gumbel noise among the kept (lowest token on an exact tie)
+        g = -tl.log(-tl.log(tl.rand(seed, i)))  # u = 0: g = -inf, never drawn
+        s = tl.where(keep, v / temperature + g, float("-inf"))
+        best = tl.max(s, axis=0)
+        return best, tl.min(tl.where(s == best, i, 2147483647), axis=0)
+
+    @triton.jit
+    def _top_k_sample_kernel(
+        x_ptr, m_ptr, cnt_ptr, cv_ptr, ci_ptr, seed_ptr, out_ptr, V, n_chunks, stride_x, top_k,
+        temperature, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, CAP: tl.constexpr,
+    ):  # fmt: skip
+        # x [B, V]; m [B, n_chunks] chunk maxima; cnt [B, 2] zeroed; cv, ci [B, V] room for the
+        # candidates' values and tokens; seed [B] -> out [B, 1] the drawn tokens
+        row = tl.program_id(0)
+        x_ptr += row * stride_x
+        cv_ptr += row * V
+        ci_ptr += row * V
+        c = tl.arange(0, CHUNKS_PAD)
+        m = tl.load(m_ptr + row * n_chunks + c, mask=c < n_chunks, other=float("nan"))
+        t0 = tl.min(tl.where(c < n_chunks, m, float("inf")), axis=0)
+        off = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + off, mask=off < V, other=float("-inf")).to(tl.float32)
+        keep = ((off < V) & (v >= t0)).to(tl.int32)
+        first = tl.atomic_add(cnt_ptr + 2 * row, tl.sum(keep, axis=0), sem="relaxed")
+        slot = first + tl.cumsum(keep, axis=0) - 1
+        tl.store(cv_ptr + slot, v, mask=keep != 0)
+        tl.store(ci_ptr + slot, off, mask=keep != 0)
+        # Every thread's stores, then one thread's release (CUTLASS's semaphore pattern): the
+        # program that counts last sees all the candidates.
+        tl.debug_barrier()
+        finished = tl.atomic_add(cnt_ptr + 2 * row + 1, 1, sem="acq_rel")
+        if finished == tl.num_programs(1) - 1:
+            n = tl.atomic_add(cnt_ptr + 2 * row, 0, sem="acquire")  # candidates, >= top_k
+            seed = tl.load(seed_ptr + row)
+            r = tl.arange(0, CAP)
+            ok = r < n
+            # the first CAP candidates stay in registers; any more load again in each pass
+            cand = tl.load(cv_ptr + r, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            key = _order_key(cand)
+            # the k-th largest key: the largest t with at least top_k keys >= t
+            lo = _order_key(t0).to(tl.int64)
+            hi = _order_key(tl.max(tl.where(c < n_chunks, m, float("-inf")), axis=0))
+            hi = hi.to(tl.int64)
+            while lo < hi:
+                mid = lo + (hi - lo + 1) // 2
+                count = tl.sum((ok & (key >= mid)).to(tl.int32), axis=0)
+                for start in range(CAP, n, CAP):
+                    rs = start + r
+                    more = tl.load(cv_ptr + rs, mask=rs < n, other=float("-inf"),
+                                   cache_modifier=".cg")  # fmt: skip
+                    count += tl.sum(((rs < n) & (_order_key(more) >= mid)).to(tl.int32), axis=0)
+                lo = tl.where(count >= top_k, mid, lo)
+                hi = tl.where(count >= top_k, hi, mid - 1)
+            tok = tl.load(ci_ptr + r, mask=ok, other=0, cache_modifier=".cg")
+            best, token = _gumbel_race(cand, tok, ok & (key >= lo), seed, temperature)
+            for start in range(CAP, n, CAP):
+                rt = start + r
+                tv = tl.load(cv_ptr + rt, mask=rt < n, other=float("-inf"), cache_modifier=".cg")
+                ti = tl.load(ci_ptr + rt, mask=rt < n, other=0, cache_modifier=".cg")
+                s, t = _gumbel_race(tv, ti, (rt < n) & (_order_key(tv) >= lo), seed, temperature)
+                token = tl.where(s > best, t, token)
+                best = tl.maximum(s, best)
+            tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def _sample_top_k_launch(
+    logits: Tensor, seeds: Tensor, temperature: float, top_k: int, block=4096, cap=TOP_K_CAP
+) -> Tensor:
+    # logits [B, V] (any float dtype, rows may be strided), seeds [B] int32 -> tokens [B, 1].
+    # block: values per program of the second kernel; cap: TOP_K_CAP (tests make both small).
+    B, V = logits.shape
+    chunk = top_k_chunk(V, top_k)
+    n_chunks = triton.cdiv(V, chunk)
+    per_program = max(1, 4096 // chunk)  # chunks per program of the first kernel
+    dev = logits.device
+    m = torch.empty(B, n_chunks, device=dev, dtype=torch.float32)
+    counters = torch.empty(B, 2, device=dev, dtype=torch.int32)
+    cand_v = torch.empty(B, V, device=dev, dtype=torch.float32)
+    cand_i = torch.empty(B, V, device=dev, dtype=torch.int32)
+    out = torch.empty(B, 1, device=dev, dtype=torch.int64)
+    _chunk_max_kernel[(B, triton.cdiv(n_chunks, per_program))](
+        logits, m, counters, V, n_chunks, logits.stride(0), CHUNK=chunk, CHUNKS=per_program
+    )
+    _top_k_sample_kernel[(B, triton.cdiv(V, block))](
+        logits, m, counters, cand_v, cand_i, seeds, out, V, n_chunks, logits.stride(0), top_k,
+        temperature, BLOCK=block, CHUNKS_PAD=triton.next_power_of_2(n_chunks), CAP=cap,
+        num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+if triton is not None:
+
+    @torch.library.custom_op("fastgen::sample_top_k", mutates_args=())
+    def _sample_top_k_op(logits: Tensor, seeds: Tensor, temperature: float, top_k: int) -> Tensor:
+        return _sample_top_k_launch(logits, seeds, temperature, top_k)
+
+    @_sample_top_k_op.register_fake
+    def _sample_top_k_fake(logits, seeds, temperature, top_k):
+        return logits.new_empty(logits.shape[0], 1, dtype=torch.int64)
+
+
+def samples_top_k(logits: Tensor, top_k: int | None) -> bool:
+    # sample_top_k's case: CUDA logits [B, V], 1 <= top_k <= TOP_K_MAX and below V
+    return (
+        triton is not None and logits.is_cuda and top_k is not None
+        and 1 <= top_k <= min(TOP_K_MAX, logits.shape[-1] - 1)
+    )  # fmt: skip
+
+
+def sample_top_k(logits: Tensor, temperature: float, top_k: int) -> Tensor:
+    # logits [B, V], temperature > 0 -> tokens [B, 1]; the seeds come from torch's generator
+    seeds = torch.randint(1 << 31, (logits.shape[0],), device=logits.device, dtype=torch.int32)
+    return torch.ops.fastgen.sample_top_k(logits, seeds, temperature, top_k)
+
+
+# ---------------------------------------------------------------------------------------------
 # Putting them into a model
 # ---------------------------------------------------------------------------------------------
 

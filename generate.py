@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+import fastgen_kernels as kernels
 import tp
 from model import ConfigError, ModelArgs, Transformer
 from tokenizer import StreamDecoder, TokenizerError, get_tokenizer
@@ -51,12 +52,13 @@ def logits_to_probs(
     logits: Tensor, temperature: float, top_k: int | None = None, top_p: float = 1.0
 ) -> Tensor:
     # logits [B, vocab] float32 -> probs [B, vocab]
-    logits = logits / max(temperature, 1e-5)
     if top_k is not None and top_k < logits.shape[-1]:
-        # Exactly the top_k tokens torch.topk picks (a tie at the boundary: its pick), as sample
-        # draws them. Unsorted: sorting them is a kernel of its own.
-        values, idx = torch.topk(logits, top_k, dim=-1, sorted=False)  # [B, top_k]
-        logits = torch.full_like(logits, -float("inf")).scatter(-1, idx, values)
+        # The top_k largest logits and any tied with the k-th, as Hugging Face's and gpt-fast's
+        # top_k keep them; chosen before the temperature divides (which could round two
+        # different logits into a tie), as fastgen_kernels.sample_top_k chooses them.
+        kth = torch.topk(logits, top_k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    logits = logits / max(temperature, 1e-5)
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
@@ -80,21 +82,16 @@ def sample(
 ) -> tuple[Tensor, Tensor | None]:
     # logits [B, T, vocab] -> next token [B, 1] from the last position, and its distribution
     # (None for greedy, where the distribution is a point mass on the argmax).
-    logits = logits[:, -1].float()
+    logits = logits[:, -1]
     if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True), None
-    if top_k is not None and top_k < logits.shape[-1] and top_p == 1.0:
-        # The race among the top_k tokens only: over the whole vocabulary it is one program
-        # drawing a random number per token (89 us of a Llama-3.1-8B step on an H200, 128k
-        # tokens). probs is the same distribution, logits_to_probs's; a compiled caller that
-        # drops it never computes it. Unsorted: the race does not need their order, and sorting
-        # them took 21 us of that step.
-        scaled = logits / max(temperature, 1e-5)
-        values, idx = torch.topk(scaled, top_k, dim=-1, sorted=False)  # [B, top_k]
-        p = torch.softmax(values, dim=-1)
-        token = idx.gather(-1, race(p))  # [B, 1]
-        return token, torch.zeros_like(logits).scatter(-1, idx, p)
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
+        return logits.float().argmax(dim=-1, keepdim=True), None
+    if top_p == 1.0 and kernels.samples_top_k(logits, top_k):
+        # On CUDA, two kernels draw from logits_to_probs's distribution (torch.topk alone was
+        # about 20 kernels, 45 us of a Llama-2-7B step on an H200). probs is computed apart:
+        # a compiled caller that drops it never computes it.
+        token = kernels.sample_top_k(logits, max(temperature, 1e-5), top_k)
+        return token, logits_to_probs(logits.float(), temperature, top_k)
+    probs = logits_to_probs(logits.float(), temperature, top_k, top_p)
     return race(probs), probs
 
 
@@ -345,8 +342,6 @@ def load_for_rank(
 def setup_for_device(model: Transformer, device, use_kernels: bool = True) -> Transformer:
     # On CUDA, decode-sized matmuls and attention go to fastgen's Triton kernels.
     if torch.device(device).type == "cuda" and use_kernels:
-        import fastgen_kernels as kernels
-
         kernels.use_kernels(model)
     return model
 

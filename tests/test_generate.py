@@ -130,9 +130,21 @@ def test_sampling_filters():
     assert generate(model, torch.tensor([[1, 2]]), 6, temperature=1.0, top_k=1)[0] == greedy
 
 
+def test_top_k_keeps_ties_with_the_kth_like_hf():
+    # Hugging Face's TopKLogitsWarper as the reference: a tie at the k-th logit stays.
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    logits = torch.tensor([[3.0, 1.0, 2.0, 1.0, 0.5, 1.0]])
+    p = logits_to_probs(logits, 0.5, top_k=3)
+    hf = torch.softmax(TopKLogitsWarper(3)(None, logits / 0.5), dim=-1)
+    torch.testing.assert_close(p, hf)
+    assert (p > 0).sum() == 5
+
+
 def test_top_k_sampling_draws_from_logits_to_probs():
-    # sample's top_k shortcut (the race among the top_k values only) against the distribution
-    # logits_to_probs defines: the probs it returns, and 40000 draws by a chi-square test.
+    # sample's PyTorch path (off CUDA; fastgen_kernels.sample_top_k's draws are tested in
+    # test_kernels.py) against the distribution logits_to_probs defines: the probs it returns,
+    # and 40000 draws by a chi-square test.
     from scipy.stats import chisquare
 
     from generate import sample

@@ -433,3 +433,72 @@ def test_bench_times_decode_attention_and_sweeps_it():
     if not GPU:  # the CPU case: 64 slots filled up to position 40, float32 keys and values
         assert (res["slots"], res["pos"]) == (64, 40)
         assert res["bytes"] == 2 * 2 * 41 * 64 * 4
+
+
+def draw_counts(logits, temperature, top_k, draws, **launch):
+    # draws rows of the same logits [V] through the top-k sampling kernels, one seed each ->
+    # (how often each token came, the tokens)
+    torch.manual_seed(draws)
+    seeds = torch.randint(1 << 31, (draws,), dtype=torch.int32, device=DEVICE)
+    rows = logits[None].expand(draws, -1)
+    poison()
+    tokens = kernels._sample_top_k_launch(rows, seeds, temperature, top_k, **launch).flatten()
+    return torch.bincount(tokens, minlength=logits.shape[0]).double().cpu(), tokens
+
+
+def assert_draws_follow(counts, want):
+    # never a token outside the kept set; the rest by a chi-square test against want [V]
+    from scipy.stats import chisquare
+
+    kept = want > 0
+    assert counts[~kept].sum() == 0
+    expected = want[kept].double() / want[kept].double().sum() * counts.sum()
+    assert chisquare(counts[kept], expected).pvalue > 1e-3
+
+
+# (V, top_k, ties): ties rounds the logits to halves, so many tie with the k-th largest
+SAMPLE = [(300, 6, False), (300, 9, True)] + (
+    [(32000, 200, False), (128256, 200, False), (32000, 50, True), (5000, 256, True)] if GPU else []
+)
+
+
+@pytest.mark.parametrize("V, top_k, ties", SAMPLE)
+def test_sample_top_k_draws_from_logits_to_probs(V, top_k, ties):
+    # The kernels' draws against generate.logits_to_probs (top_k and ties with the k-th kept),
+    # bfloat16 logits on the GPU as the model gives them. On CPU (the interpreter) small tiles,
+    # and the same seeds again with room for only 16 candidates in registers: the rest must load
+    # from memory in every pass, and the draws must not change.
+    from generate import logits_to_probs
+
+    g = torch.Generator().manual_seed(V + top_k)
+    logits = torch.randn(V, generator=g) * 2
+    if ties:
+        logits = (logits * 2).round() / 2
+    logits = logits.to(DEVICE, torch.bfloat16 if GPU else torch.float32)
+    want = logits_to_probs(logits[None].float(), 0.7, top_k=top_k)[0].cpu()
+    if ties:
+        assert (want > 0).sum() > top_k  # the test means something
+    launch = {} if GPU else dict(block=128, cap=64)
+    counts, tokens = draw_counts(logits, 0.7, top_k, 40000 if GPU else 60, **launch)
+    assert_draws_follow(counts, want)
+    if not GPU:
+        assert torch.equal(draw_counts(logits, 0.7, top_k, 60, block=128, cap=16)[1], tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="the candidate list outgrows the registers at full size")
+def test_sample_top_k_with_more_candidates_than_registers_hold():
+    # All logits equal but a few: every chunk's maximum is 0, so all 100k tokens are
+    # candidates (past TOP_K_CAP) and the zeros tie with the k-th: the draw is over all of them.
+    V = 100_000
+    logits = torch.zeros(V, device=DEVICE)
+    logits[[7, 5000, 99_999]] = 6.0
+    from generate import logits_to_probs
+
+    want = logits_to_probs(logits[None], 1.0, top_k=10)[0].cpu()
+    counts, _ = draw_counts(logits, 1.0, 10, 20000)
+    top = torch.tensor([7, 5000, 99_999])
+    # the three large ones, and the zeros as one class
+    got = torch.cat([counts[top], counts.sum(0, keepdim=True) - counts[top].sum()])
+    p = torch.cat([want[top], 1 - want[top].sum(0, keepdim=True)])
+    assert_draws_follow(got, p)
