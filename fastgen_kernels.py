@@ -1024,7 +1024,7 @@ if triton is not None:
     ):
         # x [B, V] -> m [B, n_chunks], each CHUNK-long chunk's maximum; zeroes the row's two
         # counters (candidates, programs finished) for the kernel after.
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * CHUNKS + tl.arange(0, CHUNKS)  # [CHUNKS] chunk numbers
         off = c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
         x = tl.load(x_ptr + row * stride_x + off, mask=off < V, other=float("-inf"))
@@ -1048,7 +1048,7 @@ if triton is not None:
     ):  # fmt: skip
         # x [B, V]; m [B, n_chunks] chunk maxima; cnt [B, 2] zeroed; cv, ci [B, V] room for the
         # candidates' values and tokens; seed [B] -> out [B, 1] the drawn tokens
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * V passes 2^31 for many rows of a big vocab
         x_ptr += row * stride_x
         cv_ptr += row * V
         ci_ptr += row * V
