@@ -53,11 +53,27 @@ def gemv_reference(
     glu: bool = False,
     residual: Tensor | None = None,
     expert_idx: Tensor | None = None,
+    router_logits: Tensor | None = None,
+    top_k: int = 0,
+    mix: bool = False,
 ) -> Tensor:
     # What gemv computes, in float32, returned in x's dtype. Weight formats are quantize.py's.
     # With expert_idx [M]: weight (and scales, zeros) are stacks [E, ...] and output row m
     # comes from expert expert_idx[m] and row m // (M / rows of x) of x (x's rows may be shared
-    # by consecutive output rows: a token's k experts).
+    # by consecutive output rows: a token's k experts). With router_logits [T, E]: the experts
+    # are each token's top_k picks by moe.route, T * top_k rows; mix: x has those T * top_k
+    # rows, and output row t is the sum of token t's rows times their routing weights.
+    if router_logits is not None:
+        from moe import route
+
+        weights, idx = route(router_logits, top_k)  # [T, top_k]
+        rest = (bias, norm_weight, eps, glu)
+        if not mix:
+            return gemv_reference(x, weight, fmt, scales, zeros, groupsize, *rest, residual,
+                                  idx.flatten())  # fmt: skip
+        rows = gemv_reference(x, weight, fmt, scales, zeros, groupsize, *rest, None, idx.flatten())
+        y = (rows.float().view(*weights.shape, -1) * weights[..., None]).sum(dim=1)  # [T, N]
+        return (y if residual is None else y + residual.float()).to(x.dtype)
     if expert_idx is not None:
         rows, share = [], expert_idx.shape[0] // x.shape[0]
         for m, e in enumerate(expert_idx.tolist()):
@@ -335,31 +351,104 @@ if triton is not None:
         return tl.sum(acc, axis=1)[None, :], tl.sum(ss)  # [1, BN], as _int8_words
 
     @triton.jit
+    def _route_pick(l_ptr, n_experts, j, E_P2: tl.constexpr, TOPK: tl.constexpr):
+        # Mixtral's routing (moe.route) of one token from its router logits [n_experts]: softmax,
+        # the TOPK largest (first index on ties), renormalised -> (the expert of pick j, its
+        # weight). A few dozen instructions on one warp's registers, cheaper than the kernel
+        # launch it replaces.
+        re = tl.arange(0, E_P2)
+        logit = tl.load(l_ptr + re, mask=re < n_experts, other=float("-inf")).to(tl.float32)
+        p = tl.exp(logit - tl.max(logit, axis=0))
+        rest = tl.where(re < n_experts, p / tl.sum(p, axis=0), -1.0)  # probabilities are >= 0
+        total = 0.0
+        pick = 0
+        p_pick = 0.0
+        for t in tl.static_range(TOPK):
+            best = tl.max(rest, axis=0)
+            i = tl.argmax(rest, axis=0, tie_break_left=True)
+            total += best
+            pick = tl.where(t == j, i, pick)
+            p_pick = tl.where(t == j, best, p_pick)
+            rest = tl.where(re == i, -1.0, rest)
+        return pick.to(tl.int64), p_pick / total
+
+    @triton.jit
+    def _row_dot(
+        x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, K, stride_wn, stride_sn, rn, n_ok, k_lo, k_hi,
+        FMT: tl.constexpr, G: tl.constexpr, SG: tl.constexpr, NORM: tl.constexpr,
+        GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
+        STAGES: tl.constexpr,
+    ):  # fmt: skip
+        # One row of x' (the prologue applied, RMSNorm's rstd left to the caller) against rows
+        # rn of W over k_lo..k_hi -> ([1, BLOCK_N] float32 sums, int8's and fp8's row scales
+        # applied; the sum of squares of x as loaded). int4 takes the word path only.
+        if WORDS and FMT == 1:
+            out, ss = _int8_words(
+                x_ptr, w_ptr, nw_ptr, 1.0, K, stride_wn, rn, n_ok, k_lo, k_hi,
+                NORM, GLU, BLOCK_N, BLOCK_K, WORDS, STAGES,
+            )  # fmt: skip
+        elif WORDS and FMT == 2:
+            out, ss = _int4_words(
+                x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, 1.0, K, stride_wn, stride_sn, rn, n_ok,
+                k_lo, k_hi, G, SG, NORM, GLU, BLOCK_N, BLOCK_K, WORDS, STAGES,
+            )  # fmt: skip
+        else:
+            tl.static_assert(FMT != 2)
+            rk = tl.arange(0, BLOCK_K)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            ss_k = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+                kk = k + rk
+                k_ok = kk < k_hi
+                w_ok = n_ok[:, None] & k_ok[None, :]
+                w = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=w_ok, other=0)
+                if FMT == 3:  # float8 weights arrive as their bytes
+                    w = w.to(tl.float8e4nv, bitcast=True)
+                x, raw = _load_x(x_ptr, kk, k_ok, kk, nw_ptr, 1.0, K, NORM, GLU)
+                acc += w.to(tl.float32) * x[None, :]
+                ss_k += raw * raw
+            out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
+            ss = tl.sum(ss_k)
+        if FMT == 1 or FMT == 3:
+            out = out * tl.load(s_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
+        return out, ss
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, e_ptr,
         M, N, K, eps, stride_xm, stride_wn, stride_sn, stride_rm, stride_ym, stride_we, stride_se,
-        x_share, FMT: tl.constexpr, G: tl.constexpr, SG: tl.constexpr, HAS_BIAS: tl.constexpr,
-        NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, WORDS: tl.constexpr, EXPERTS: tl.constexpr, PDL: tl.constexpr,
+        x_share, n_experts, FMT: tl.constexpr, G: tl.constexpr, SG: tl.constexpr,
+        HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, WORDS: tl.constexpr, EXPERTS: tl.constexpr,
+        TOPK: tl.constexpr, E_P2: tl.constexpr, MIX: tl.constexpr, PDL: tl.constexpr,
         STAGES: tl.constexpr,
     ):  # fmt: skip
         # y[m, n] = sum_k x'[m, k] * W[n, k] (+ bias[n]) (+ residual[m, n]), x' = prologue(x).
         # BLOCK_M == 1: elementwise products summed once at the end (no tensor cores needed);
         # BLOCK_M >= 16: tl.dot on dequantized tiles, for batches and prefill of quantized
         # weights (each tile dequantized in registers, never the whole weight in memory).
+        # EXPERTS: W is a stack of experts' weights and program_id(2) an output row, whose
+        # expert is e_ptr[row], or with TOPK the (row % TOPK)-th pick of router logits e_ptr
+        # [rows / TOPK, n_experts]. MIX: program_id(2) a token, and its row is the sum of its
+        # TOPK picks' rows (x rows token * TOPK + j), each times its routing weight.
         _dependent_launch(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        if EXPERTS:  # program_id(2) picks a row of x and its expert's weights
+        if EXPERTS:
             row = tl.program_id(2)
-            e = tl.load(e_ptr + row).to(tl.int64)
-            x_ptr += (row // x_share) * stride_xm  # x_share consecutive rows read one x row
             r_ptr += row * stride_rm
             y_ptr += row * stride_ym
-            w_ptr += e * stride_we
-            s_ptr += e * stride_se
-            z_ptr += e * stride_se
+            if not MIX:
+                if TOPK:
+                    l_ptr = e_ptr + (row // TOPK) * n_experts
+                    e, _ = _route_pick(l_ptr, n_experts, row % TOPK, E_P2, TOPK)
+                else:
+                    e = tl.load(e_ptr + row).to(tl.int64)
+                x_ptr += (row // x_share) * stride_xm  # x_share consecutive rows read one x row
+                w_ptr += e * stride_we
+                s_ptr += e * stride_se
+                z_ptr += e * stride_se
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         # Without experts, program_id(2) picks a tile of BLOCK_M rows (prefill-sized inputs).
         rm = (0 if EXPERTS else tl.program_id(2) * BLOCK_M) + tl.arange(0, BLOCK_M)
@@ -385,16 +474,24 @@ if triton is not None:
                 ss += xs.to(tl.float32) * xs.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)  # [BLOCK_M]
         ss_x = 0.0  # one row: the sum of squares of x gathered by the loop below
-        if WORDS and FMT == 1:
-            out, ss_x = _int8_words(
-                x_ptr, w_ptr, nw_ptr, 1.0, K, stride_wn, rn, n_ok, k_lo, k_hi,
-                NORM, GLU, BLOCK_N, BLOCK_K, WORDS, STAGES,
-            )  # fmt: skip
-            out = out * tl.load(s_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
-        elif WORDS and FMT == 2:
-            out, ss_x = _int4_words(
-                x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, 1.0, K, stride_wn, stride_sn, rn, n_ok,
-                k_lo, k_hi, G, SG, NORM, GLU, BLOCK_N, BLOCK_K, WORDS, STAGES,
+        if MIX:
+            # Mixtral's w2: the token's experts in turn, mixed as moe.moe_experts mixes them,
+            # without the [TOPK, N] rows of their outputs ever leaving the registers.
+            tl.static_assert(BLOCK_M == 1 and not NORM)
+            out = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(TOPK):
+                e, weight = _route_pick(e_ptr + row * n_experts, n_experts, j, E_P2, TOPK)
+                part, _ = _row_dot(
+                    x_ptr + (row * TOPK + j) * stride_xm, w_ptr + e * stride_we,
+                    s_ptr + e * stride_se, z_ptr + e * stride_se, nw_ptr, K, stride_wn,
+                    stride_sn, rn, n_ok, k_lo, k_hi, FMT, G, SG, NORM, GLU, BLOCK_N, BLOCK_K,
+                    WORDS, STAGES,
+                )  # fmt: skip
+                out += weight * part
+        elif BLOCK_M == 1:
+            out, ss_x = _row_dot(
+                x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, K, stride_wn, stride_sn, rn, n_ok, k_lo,
+                k_hi, FMT, G, SG, NORM, GLU, BLOCK_N, BLOCK_K, WORDS, STAGES,
             )  # fmt: skip
         elif FMT == 2 and BLOCK_K == G:
             # int4, many rows (prefill), one group per step: its scale and offset are [BLOCK_N]
@@ -461,12 +558,8 @@ if triton is not None:
                     input_precision=DOT_PRECISION,
                 )
             out = acc
-        else:
-            if BLOCK_M == 1:
-                acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-                ss_k = tl.zeros([BLOCK_K], dtype=tl.float32)
-            else:
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:  # float, int8 or float8 row tiles
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
                 kk = k + rk
                 k_ok = kk < k_hi
@@ -477,22 +570,13 @@ if triton is not None:
                 )
                 if FMT == 3:  # float8 weights arrive as their bytes
                     w = w.to(tl.float8e4nv, bitcast=True)
-                if BLOCK_M == 1:
-                    x, raw = _load_x(x_ptr, kk, k_ok, kk, nw_ptr, 1.0, K, NORM, GLU)
-                    acc += w.to(tl.float32) * x[None, :]
-                    ss_k += raw * raw
-                else:
-                    x_off = rm[:, None] * stride_xm + kk[None, :]
-                    x_ok = m_ok[:, None] & k_ok[None, :]
-                    r2 = rstd[:, None] if NORM else 1.0
-                    x, _ = _load_x(x_ptr, x_off, x_ok, kk[None, :], nw_ptr, r2, K, NORM, GLU)
-                    dt = x_ptr.dtype.element_ty
-                    acc += tl.dot(x.to(dt), tl.trans(w.to(dt)), input_precision=DOT_PRECISION)
-            if BLOCK_M == 1:
-                out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
-                ss_x = tl.sum(ss_k)
-            else:
-                out = acc
+                x_off = rm[:, None] * stride_xm + kk[None, :]
+                x_ok = m_ok[:, None] & k_ok[None, :]
+                r2 = rstd[:, None] if NORM else 1.0
+                x, _ = _load_x(x_ptr, x_off, x_ok, kk[None, :], nw_ptr, r2, K, NORM, GLU)
+                dt = x_ptr.dtype.element_ty
+                acc += tl.dot(x.to(dt), tl.trans(w.to(dt)), input_precision=DOT_PRECISION)
+            out = acc
             if FMT == 1 or FMT == 3:
                 out = out * tl.load(s_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
         if NORM and BLOCK_M == 1:  # the one-row paths summed x * norm_weight: rstd now
@@ -629,15 +713,21 @@ def gemv(
     residual: Tensor | None = None,
     config: dict | None = None,
     expert_idx: Tensor | None = None,
+    router_logits: Tensor | None = None,
+    top_k: int = 0,
+    mix: bool = False,
 ) -> Tensor:
     # y = prologue(x) @ W^T (+ bias) (+ residual), x [..., K] (or [..., 2K] with glu), any
     # number of rows -> y [..., N] in x's dtype. The prologue is RMSNorm with
     # norm_weight, or silu(x[..., :K]) * x[..., K:] with glu. expert_idx [M] (x [M / s, K], s a
     # whole number): W is a stack [E, N, K] of experts' weights and output row m [M, N] uses
     # expert expert_idx[m] on row m // s of x (Mixtral decode: a token's k experts, s = k).
+    # router_logits [T, E] instead: the kernel routes as moe.route does, output row m [T * k,
+    # N] through token m // k's (m % k)-th pick, k = top_k; with mix, x [T * k, K] (those rows'
+    # inputs) and y [T, N] is each token's rows mixed by its routing weights (+ residual).
     args = (x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual)
-    if expert_idx is not None:
-        args += (expert_idx,)
+    if expert_idx is not None or router_logits is not None:
+        args += (expert_idx, router_logits, top_k, mix)
     if config is not None and triton is not None:  # explicit launch: also Triton's interpreter
         return _gemv_launch(*args, config=config)
     if x.device.type != "cuda" or triton is None:
@@ -658,16 +748,29 @@ def _gemv_launch(
     glu: bool,
     residual: Tensor | None,
     expert_idx: Tensor | None = None,
+    router_logits: Tensor | None = None,
+    top_k: int = 0,
+    mix: bool = False,
     config: dict | None = None,
 ) -> Tensor:
     N = weight.shape[-2]
     K = weight.shape[-1] * (2 if fmt == INT4 else 1)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M = x2.shape[0]
-    share = 1
-    # Experts: one program row per output row, each a one-row GEMV against its own expert.
-    if expert_idx is not None:
+    share, n_experts = 1, 0
+    picks = expert_idx
+    if router_logits is not None:
+        picks = router_logits.contiguous()  # [T, E]
+        T, n_experts = picks.shape
+        if mix and M != T * top_k:
+            raise ValueError("a mixing expert gemv takes top_k rows of x per token")
+        share = T * top_k // M  # x: a row per token (w13), or per pick (w2, mix)
+        M = T if mix else T * top_k  # output rows
+    elif expert_idx is not None:
         share, M = expert_idx.shape[0] // M, expert_idx.shape[0]
+    # Experts: one program row per output row, each a one-row GEMV against its own expert(s).
+    experts = picks is not None
+    if experts:
         cfg = dict(config or gemv_config(fmt, 1, N, K, groupsize, experts=M))
     else:
         cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
@@ -697,7 +800,6 @@ def _gemv_launch(
     words = int(words) * (1 if os.environ.get("TRITON_INTERPRET") == "1" else 2)
     if words:
         weight = weight.view(torch.int32)  # [N, K/4] for int8, [N, K/8] for int4
-    experts = expert_idx is not None
     # int4's scales are per group ([.., N, groups]); int8's and fp8's per row need no stride
     stride_sn = scales.stride(-2) if scales is not None and scales.dim() > 1 else 0
     # int4 one-row: scales load in runs of SG groups, SG dividing a row's groups and a step's
@@ -713,12 +815,14 @@ def _gemv_launch(
         zeros if zeros is not None else y,
         bias if bias is not None else y,
         norm_weight if norm_weight is not None else y,
-        r2, y, expert_idx if experts else y, 1 if experts else M, N, K, eps,
+        r2, y, picks if experts else y, 1 if experts else M, N, K, eps,
         x2.stride(0), weight.stride(-2), stride_sn,
         r2.stride(0), y.stride(0),
         weight.stride(0) if experts else 0,
-        scales.stride(0) if experts and scales is not None else 0, share,
-        EXPERTS=experts, FMT=fmt, G=max(groupsize, 2), SG=sg, HAS_BIAS=bias is not None,
+        scales.stride(0) if experts and scales is not None else 0, share, n_experts,
+        EXPERTS=experts, TOPK=top_k if n_experts else 0,
+        E_P2=max(2, triton.next_power_of_2(n_experts)), MIX=mix, FMT=fmt,
+        G=max(groupsize, 2), SG=sg, HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", WORDS=words,
         STAGES=stages, **cfg, **dependent_launch(x),
@@ -744,17 +848,23 @@ if triton is not None:
         glu: bool,
         residual: Tensor | None,
         expert_idx: Tensor | None = None,
+        router_logits: Tensor | None = None,
+        top_k: int = 0,
+        mix: bool = False,
     ) -> Tensor:
         return _gemv_launch(
             x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual,
-            expert_idx,
+            expert_idx, router_logits, top_k, mix,
         )  # fmt: skip
 
     @_gemv_op.register_fake
     def _gemv_fake(
         x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual,
-        expert_idx=None,
+        expert_idx=None, router_logits=None, top_k=0, mix=False,
     ):  # fmt: skip
+        if router_logits is not None:
+            T = router_logits.shape[0]
+            return x.new_empty(T if mix else T * top_k, weight.shape[-2])
         if expert_idx is not None:
             return x.new_empty(expert_idx.shape[0], weight.shape[-2])
         return x.new_empty(*x.shape[:-1], weight.shape[-2])
@@ -1224,6 +1334,14 @@ def expert_format(module: nn.Module) -> tuple[int, int] | None:
     return (formats[kind], 0) if kind in formats else None
 
 
+def _expert_gemv(linear: nn.Module, x: Tensor, **kwargs) -> Tensor:
+    # gemv over one of moe.py's or quantize.py's expert stacks; kwargs: gemv's expert
+    # arguments (expert_idx, or router_logits and top_k) and fused ones
+    fmt, groupsize = expert_format(linear)
+    scales, zeros = getattr(linear, "scales", None), getattr(linear, "zeros", None)
+    return gemv(x, linear.weight, fmt, scales, zeros, groupsize, **kwargs)
+
+
 def moe_experts(
     x: Tensor, w13, w2, expert_idx: Tensor, expert_weights: Tensor, norm_weight=None, eps=1e-5
 ) -> Tensor:
@@ -1243,15 +1361,38 @@ def moe_experts(
     here = (expert_idx >= 0) & (expert_idx < E)  # other ranks' experts count as absent
     weights = torch.where(here, expert_weights, 0.0)  # [N, k]
     idx = expert_idx.clamp(0, E - 1).flatten().to(torch.int32)  # [N * k]
-
-    def run(linear, inp, **fused):
-        fmt, groupsize = expert_format(linear)
-        scales, zeros = getattr(linear, "scales", None), getattr(linear, "zeros", None)
-        return gemv(inp, linear.weight, fmt, scales, zeros, groupsize, expert_idx=idx, **fused)
-
-    gate_up = run(w13, x, norm_weight=norm_weight, eps=eps)  # [N * k, 2 * inter]
-    y = run(w2, gate_up, glu=True).view(N, k, -1)  # [N, k, dim]
+    gate_up = _expert_gemv(w13, x, expert_idx=idx, norm_weight=norm_weight, eps=eps)
+    y = _expert_gemv(w2, gate_up, expert_idx=idx, glu=True).view(N, k, -1)  # [N, k, dim]
     return (y.float() * weights[..., None]).sum(dim=1).to(x.dtype)
+
+
+def routes_in_gemv(ff: nn.Module, x: Tensor) -> bool:
+    # Whether moe_feed_forward can run this MOEFeedForward on x: every expert the router
+    # scores is this rank's (no expert parallelism), and x's tokens pick fewer (token, expert)
+    # pairs than there are experts (decoding; longer inputs run each expert once instead).
+    tokens = x.numel() // x.shape[-1]
+    return (
+        ff.run_experts is moe_experts
+        and isinstance(ff.gate, GemvLinear)
+        and ff.expert_offset == 0
+        and ff.w13.n_experts == ff.gate.out_features
+        and tokens * ff.num_activated_experts < ff.w13.n_experts
+    )
+
+
+def moe_feed_forward(x: Tensor, ff: nn.Module, norm_weight: Tensor, eps: float) -> Tensor:
+    # x + ff(rms_norm(x)) in three GEMVs for a MOEFeedForward ff (routes_in_gemv): the router
+    # with the RMSNorm in its prologue; w13, which routes each (token, pick) row from the
+    # router's logits itself; w2, which routes again, mixes a token's picks by their weights
+    # and adds the residual. The routing and the mix, each a kernel of their own otherwise,
+    # cost a few instructions per program here. x [..., dim] -> [..., dim]
+    x2 = x.reshape(-1, x.shape[-1])  # [T, dim]
+    k = ff.num_activated_experts
+    logits = ff.gate(x2, norm_weight=norm_weight, eps=eps)  # [T, E]
+    route = dict(router_logits=logits, top_k=k)
+    gate_up = _expert_gemv(ff.w13, x2, norm_weight=norm_weight, eps=eps, **route)  # [T * k, 2I]
+    y = _expert_gemv(ff.w2, gate_up, glu=True, residual=x2, mix=True, **route)  # [T, dim]
+    return y.view(x.shape)
 
 
 class FusedBlock(nn.Module):
@@ -1259,7 +1400,8 @@ class FusedBlock(nn.Module):
     # SwiGLU into w2's and the residual adds into wo's and w2's epilogues, and the rotary
     # embedding and cache write into the attention kernel: 4 GEMVs plus the attention per
     # layer, where the plain block needs about three times as many kernels. A Mixture-of-Experts
-    # block fuses its attention half alike; its router and experts run as MOEFeedForward does.
+    # block fuses its attention half alike, and decoding runs its feed-forward as three GEMVs
+    # (moe_feed_forward); otherwise its router and experts run as MOEFeedForward does.
     def forward(self, x: Tensor, freqs_cis: Tensor, mask, input_pos: Tensor) -> Tensor:
         attn, ff = self.attention, self.feed_forward
         anorm, fnorm = self.attention_norm, self.ffn_norm
@@ -1274,6 +1416,8 @@ class FusedBlock(nn.Module):
             y = attn.attend_qkv(qkv, freqs_cis, mask, input_pos)
         h = attn.wo(y, residual=x)
         if hasattr(ff, "run_experts"):
+            if routes_in_gemv(ff, h):
+                return moe_feed_forward(h, ff, fnorm.weight, fnorm.eps)
             if ff.run_experts is moe_experts and isinstance(ff.gate, GemvLinear):
                 # the RMSNorm in the router's and w13's prologues
                 return h + ff(h, norm_weight=fnorm.weight, eps=fnorm.eps)

@@ -251,6 +251,50 @@ def test_expert_gemv_reads_each_rows_expert(fmt, case):
     torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
 
 
+@pytest.mark.parametrize("fmt", sorted(FMTS))
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_expert_gemv_routes_and_mixes_like_moe_route(fmt, split_k):
+    # Router logits instead of expert ids: the kernel picks each token's top 2 of 5 experts as
+    # moe.route does (token 1's logits tie for second place: the first index wins), w13-like
+    # with the RMSNorm prologue, then w2-like: SwiGLU prologue, the two picks mixed by their
+    # renormalised softmax weights, plus the residual.
+    import moe
+
+    torch.manual_seed(11)
+    E, N, K, T, k = 5, 40, 256, 2, 2
+    parts = [make(FMTS[fmt], N, K) for _ in range(E)]
+    w = {n: torch.stack([p[n] for p in parts]) for n in parts[0] if torch.is_tensor(parts[0][n])}
+    if fmt == "int4":
+        w["groupsize"] = 32
+    logits = torch.tensor([[0.3, -1.0, 2.0, 0.1, 1.2], [0.5, 1.5, -0.2, 1.5, 0.9]], device=DEVICE)
+    weights, idx = moe.route(logits, k)
+    assert idx.tolist() == [[2, 4], [1, 3]]
+    cfg = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, SPLIT_K=split_k, num_warps=4, num_stages=2)
+    tol = dict(rtol=3e-4)
+
+    norm = dict(norm_weight=torch.rand(K, device=DEVICE) + 0.5, eps=1e-5)
+    x = torch.randn(T, K, device=DEVICE) * 3
+    pairs = kernels.gemv_reference(x, fmt=FMTS[fmt], expert_idx=idx.flatten(), **norm, **w)
+    ref = kernels.gemv_reference(x, fmt=FMTS[fmt], router_logits=logits, top_k=k, **norm, **w)
+    torch.testing.assert_close(ref, pairs)
+    poison()
+    got = kernels.gemv(x, fmt=FMTS[fmt], config=cfg, router_logits=logits, top_k=k, **norm, **w)
+    assert got.shape == (T * k, N)
+    torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), **tol)
+
+    h = torch.randn(T * k, 2 * K, device=DEVICE)  # each pair's gate | up
+    res = torch.randn(T, N, device=DEVICE)
+    rows = kernels.gemv_reference(h, fmt=FMTS[fmt], expert_idx=idx.flatten(), glu=True, **w)
+    mixed = res + (rows.view(T, k, N) * weights[..., None]).sum(dim=1)
+    route = dict(router_logits=logits, top_k=k, mix=True, glu=True, residual=res)
+    ref = kernels.gemv_reference(h, fmt=FMTS[fmt], **route, **w)
+    torch.testing.assert_close(ref, mixed)
+    poison()
+    got = kernels.gemv(h, fmt=FMTS[fmt], config=cfg, **route, **w)
+    assert got.shape == (T, N)
+    torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), **tol)
+
+
 @pytest.mark.parametrize("mode", ["float", "int8", "int4"])
 @torch.no_grad()
 def test_moe_decode_through_expert_gemv_equals_moe_py(mode):
