@@ -546,3 +546,95 @@ def test_sample_top_k_with_more_candidates_than_registers_hold():
     got = torch.cat([counts[top], counts.sum(0, keepdim=True) - counts[top].sum()])
     p = torch.cat([want[top], 1 - want[top].sum(0, keepdim=True)])
     assert_draws_follow(got, p)
+
+
+@pytest.mark.parametrize("fmt", ["float", "int4"])
+@pytest.mark.parametrize("N", [64, 4096] if GPU else [64, 96])
+def test_gemv_packs_x_for_the_next_int4_gemv(fmt, N):
+    # A one-row GEMV with a residual writes y's pack (y * g quantized per block of 16, its
+    # sums of squares per program) as x_pack_reference does; the int4 GEMV after it, whose
+    # RMSNorm weight is g, reads the pack instead of quantizing y itself, and computes what
+    # its reference computes with blocks of 16.
+    torch.manual_seed(5)
+    K = 256
+    w = make(FMTS[fmt], N, K)
+    x = torch.randn(1, K, device=DEVICE)
+    residual = torch.randn(1, N, device=DEVICE) * 4
+    g = torch.rand(N, device=DEVICE) + 0.5
+    cfg = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=2)
+    poison()
+    y, pack = kernels.gemv_packing(
+        x, fmt=FMTS[fmt], pack_norm=g, residual=residual, config=cfg, **w
+    )
+    ref_y = kernels.gemv_reference(x, fmt=FMTS[fmt], residual=residual, **w)
+    torch.testing.assert_close(y, ref_y, atol=1e-4 * ref_y.abs().max().item(), rtol=1e-4)
+    ref_pack = kernels.x_pack_reference(y, g, 16)
+    assert pack.shape == ref_pack.shape == (N // 4 + N // 8 + N // 16,)
+    assert torch.equal(pack[: N // 4], ref_pack[: N // 4])  # the int8 bytes, exactly
+    floats, ref_floats = (p[N // 4 :].view(torch.float32) for p in (pack, ref_pack))
+    torch.testing.assert_close(floats, ref_floats, rtol=1e-5, atol=0)
+    w2 = make(kernels.INT4, 48, N)
+    ref = kernels.gemv_reference(y, fmt=kernels.INT4, norm_weight=g, x_pack=pack, **w2)
+    unpacked = kernels.gemv_reference(y, fmt=kernels.INT4, norm_weight=g, **w2)
+    assert not torch.allclose(ref, unpacked, rtol=1e-5, atol=1e-5)  # blocks of 16, not 32
+    cfg2 = dict(cfg, BLOCK_N=8, BLOCK_K=64 if N % 128 else 128)
+    for p in (pack, ref_pack):
+        got = kernels.gemv(y, fmt=kernels.INT4, norm_weight=g, x_pack=p, config=cfg2, **w2)
+        torch.testing.assert_close(got, ref, atol=1e-5 * ref.abs().max().item(), rtol=1e-5)
+
+
+def test_int4_decode_passes_packs_between_gemvs(monkeypatch):
+    # An int4 model's fused decode step: wo packs h for w13, w2 packs the block's output for
+    # the next block's wqkv. Each call of the kernels (Triton's interpreter on CPU) gives what
+    # its reference gives on the same inputs, each pack is x_pack_reference's of the output
+    # it came with, and the logits stay those of the references' own run (within the int8
+    # roundings that flip when an input moves by an ulp).
+    import copy
+
+    import quantize
+    from helpers import random_model
+
+    torch.manual_seed(3)
+    model = random_model(hidden_size=256, intermediate_size=384, num_attention_heads=4)
+    for layer in model.layers:
+        for parent, name in [(layer.attention, "wqkv"), (layer.attention, "wo"),
+                             (layer.feed_forward, "w13"), (layer.feed_forward, "w2")]:  # fmt: skip
+            setattr(parent, name, quantize.quantize_linear(getattr(parent, name), "int4", 32))
+    kernels.use_kernels(model)
+    assert model.run_layers is kernels.run_fused_layers
+    ref_model = copy.deepcopy(model)  # stays on CPU: the references
+    model.to(DEVICE)
+    x = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        for m in (model, ref_model):
+            m.setup_caches(1, 64)
+            m(x[:, :8].to(m.freqs_cis.device), torch.arange(8, device=m.freqs_cis.device))
+        ref = ref_model(x[:, 8:], torch.tensor([8]))
+    # explicit launch shapes send gemv to the interpreter on CPU; on CUDA, the defaults
+    cfg = {} if GPU else dict(config=dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, SPLIT_K=1,
+                                          num_warps=4, num_stages=1))  # fmt: skip
+    gemv, packing, packed = kernels.gemv, kernels.gemv_packing, []
+
+    def checked_gemv(x, *args, **kw):
+        got = gemv(x, *args, **kw, **cfg)
+        want = kernels.gemv_reference(x, *args, **kw)
+        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+        if kw.get("x_pack") is not None and kw["x_pack"].numel():
+            packed.append(x.shape[-1])
+        return got
+
+    def checked_packing(x, *args, pack_norm, **kw):
+        y, pack = packing(x, *args, pack_norm=pack_norm, **kw, **cfg)
+        N = y.shape[-1]
+        want = kernels.x_pack_reference(y, pack_norm, N // (pack.numel() - N // 4 - N // 8))
+        assert torch.equal(pack[: N // 4], want[: N // 4])  # the int8 bytes
+        floats, ref_floats = (p[N // 4 :].view(torch.float32) for p in (pack, want))
+        torch.testing.assert_close(floats, ref_floats, rtol=1e-5, atol=0)
+        return y, pack
+
+    monkeypatch.setattr(kernels, "gemv", checked_gemv)
+    monkeypatch.setattr(kernels, "gemv_packing", checked_packing)
+    with torch.no_grad():
+        got = model(x[:, 8:].to(DEVICE), torch.tensor([8], device=DEVICE))
+    assert packed == [256, 256, 256]  # w13 of block 0; wqkv and w13 of block 1
+    torch.testing.assert_close(got.cpu(), ref, atol=3e-2 * ref.abs().max().item(), rtol=0)
