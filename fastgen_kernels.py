@@ -3,8 +3,6 @@
 #     grouped int4 (per-group scale and offset) or float8 (per-channel scale), the
 #     dequantization fused into the loads, optional split-K for narrow outputs; inputs of more
 #     rows (batches, short prompts of quantized weights) run as tl.dot row tiles;
-#   - gemv_packing: a one-row gemv that also quantizes its output for the one-row int4 gemv
-#     after it (an x pack), so that the int4 gemv's programs do not each quantize x again;
 #   - decode_attention: one query token against the KV cache, the sequence split across programs
 #     (flash-decoding) and only the filled part of the cache read; FusedBlock feeds it wqkv's
 #     output directly, and the kernel applies the rotary embedding and writes the cache too.
