@@ -56,7 +56,6 @@ def gemv_reference(
     router_logits: Tensor | None = None,
     top_k: int = 0,
     mix: bool = False,
-    x_pack: Tensor | None = None,
 ) -> Tensor:
     # What gemv computes, in float32, returned in x's dtype. Weight formats are quantize.py's.
     # With expert_idx [M]: weight (and scales, zeros) are stacks [E, ...] and output row m
@@ -98,9 +97,8 @@ def gemv_reference(
         from quantize import dequantize_int4
 
         w = dequantize_int4(weight, scales, zeros, groupsize)
-        if xf.shape[0] == 1:  # one row: the dp4a path, which quantizes x (from a pack: by 16)
-            packed = x_pack is not None and x_pack.numel() > 0 and not glu
-            xf = activation_int8_reference(xf, 16 if packed else 32)
+        if xf.shape[0] == 1:  # one row: the dp4a path, which quantizes x
+            xf = activation_int8_reference(xf)
     else:
         w = weight.float()
     y = xf @ w.t() * rstd
@@ -113,31 +111,15 @@ def gemv_reference(
     return y.to(x.dtype)
 
 
-def activation_int8_reference(x: Tensor, block: int = 32) -> Tensor:
-    # x [M, K] float32, K a multiple of block -> x rounded to int8 per block of consecutive
+def activation_int8_reference(x: Tensor) -> Tensor:
+    # x [M, K] float32, K a multiple of 32 -> x rounded to int8 per block of 32 consecutive
     # columns with scale max|x| / 127 (halves to even), back in float32: what the one-row int4
-    # GEMV multiplies its weights with (blocks of 16 where x comes in a pack).
-    b = x.reshape(x.shape[0], -1, block)
+    # GEMV multiplies its weights with.
+    b = x.reshape(x.shape[0], -1, 32)
     amax = b.abs().amax(-1, keepdim=True)
     # 1 / max rounded, then times 127, as the kernel computes it (and as torch's 127.0 / t does)
     q = torch.round(b * (127.0 * torch.reciprocal(amax.clamp_min(1e-30))))
     return (q * (amax * (1.0 / 127.0))).reshape(x.shape)
-
-
-def x_pack_reference(y: Tensor, norm_weight: Tensor, block_n: int) -> Tensor:
-    # The pack gemv_packing writes (x_pack_words's layout) for y [N], written by programs of
-    # block_n outputs each -> int32 [N/4 + N/8 + N/block_n]
-    yf = y.float().reshape(-1)
-    b = (yf * norm_weight.float()).reshape(-1, 16)
-    amax = b.abs().amax(-1, keepdim=True)
-    q = torch.round(b * (127.0 * torch.reciprocal(amax.clamp_min(1e-30)))).to(torch.int32)
-    scale = amax[:, 0] * (1.0 / 127.0)
-    qsum = q.sum(-1).float() * scale
-    by = (q & 255).reshape(-1, 4, 2) << (8 * torch.arange(4, dtype=torch.int32))[None, :, None]
-    words = by.sum(1, dtype=torch.int32)  # [N/8, 2]: ORs of disjoint bytes; int32 wraps
-    ss = (yf * yf).reshape(-1, block_n).sum(-1)
-    floats = torch.cat([scale, qsum, ss]).view(torch.int32)
-    return torch.cat([words[:, 0], words[:, 1], floats])
 
 
 def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor):
@@ -297,32 +279,10 @@ if triton is not None:
             return tl.div_rn(tl.full(a.shape, 1.0, tl.float32), a)
 
     @triton.jit
-    def _quantize_blocks(xb, WORDS: tl.constexpr):
-        # x [NB, XB] float32 rounded to int8 per row (a block of XB consecutive k) with scale
-        # max|x| / 127: 127 times the IEEE-rounded 1 / max, then round-half-even, as
-        # activation_int8_reference computes (v + 0.5 would fuse into an FMA).
-        # -> (q [NB, XB] int32 in -127..127, 0 where the block is; scales [NB]; sum(q) * scale)
-        amax = tl.max(tl.abs(xb), axis=1)  # [NB]
-        inv = 127.0 * _reciprocal(tl.maximum(amax, 1e-30), WORDS)
-        xq = _round_to_int(xb * inv[:, None], WORDS)
-        x_scale = amax * (1.0 / 127.0)
-        return xq, x_scale, tl.sum(xq, axis=1).to(tl.float32) * x_scale
-
-    @triton.jit
-    def _byte_words(xq, BW: tl.constexpr):
-        # int8 values [.., 8 * BW] in k order -> int32 words (even k, odd k) [BW] each, laid
-        # out as the int4 weights' nibbles are masked: byte t of word j is k = 8j + 2t (+ 1)
-        shift = 8 * tl.arange(0, 4)
-        x_even, x_odd = tl.split(tl.reshape(xq & 255, [BW, 4, 2]))  # [BW (j), 4 (t)]
-        x_even = tl.sum(x_even << shift[None, :], axis=1)
-        return x_even, tl.sum(x_odd << shift[None, :], axis=1)
-
-    @triton.jit
     def _int4_words(
-        x_ptr, xp_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rstd, K, stride_wn, stride_sn, rn, n_ok,
-        k_lo, k_hi, G: tl.constexpr, SG: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
+        x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rstd, K, stride_wn, stride_sn, rn, n_ok, k_lo, k_hi,
+        G: tl.constexpr, SG: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr,
-        XB: tl.constexpr,
     ):  # fmt: skip
         # int4 rows as int32 words, the stored format read as is: nibble i (bits 4i..4i+3) of
         # word j is k = 8j + i. A float FMA per nibble needs 4-6 instructions with its unpacking,
@@ -334,13 +294,12 @@ if triton is not None:
         # The weights load as [BLOCK_N, BW] words, contiguous along the row: a warp's threads
         # read 16 bytes each of one row, and each thread keeps one block of 32 nibbles of
         # several rows, so x's words are fetched once per thread for all of them.
-        # XB == 16: x arrives quantized (per block of 16) in a pack that the GEMV before wrote
-        # (see x_pack_words); XB == 32: each program quantizes its x itself.
         BW: tl.constexpr = BLOCK_K // 8
-        NB: tl.constexpr = BLOCK_K // XB
+        NB: tl.constexpr = BLOCK_K // 32
         NG: tl.constexpr = BLOCK_K // G  # groups per step (G: 32 to BLOCK_K)
         rw = tl.arange(0, BW)
         rg = tl.arange(0, NG)
+        shift = 8 * tl.arange(0, 4)
         acc = tl.zeros([BLOCK_N, NG], dtype=tl.float32)
         ss = tl.zeros([NB], dtype=tl.float32)
         for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
@@ -360,35 +319,34 @@ if triton is not None:
             sg_ok = n_ok[:, None] & ((k + G * SG * (rg // SG)) < k_hi)[None, :]
             s = tl.load(s_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)  # [BN, NG]
             z = tl.load(z_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)
-            kb = k + XB * tl.arange(0, NB)  # [NB] first k of each block
+            kb = k + 32 * tl.arange(0, NB)  # [NB] first k of each block
             b_ok = kb < k_hi
-            if XB == 16:  # ready words, block scales and sums from the pack
-                x_ok = (k + 8 * rw) < k_hi
-                x_even = tl.load(xp_ptr + kw, mask=x_ok, other=0)
-                x_odd = tl.load(xp_ptr + K // 8 + kw, mask=x_ok, other=0)
-                p_off = K // 4 + kb // 16
-                x_scale = tl.load(xp_ptr + p_off, mask=b_ok, other=0).to(tl.float32, bitcast=True)
-                xsum = tl.load(xp_ptr + p_off + K // 16, mask=b_ok, other=0)
-                xsum = xsum.to(tl.float32, bitcast=True)  # [NB]
-            else:
-                x_off = kb[:, None] + tl.arange(0, XB)[None, :]  # [NB, XB]
-                xb, raw = _load_x(x_ptr, x_off, b_ok[:, None], x_off, nw_ptr, rstd, K, NORM, GLU)
-                ss += tl.sum(raw * raw, axis=1)
-                xq, x_scale, xsum = _quantize_blocks(xb, WORDS)
-                # bytes of x as words like w's: k = 8j + 2t + c, c = 0 the even k; the bytes
-                # are disjoint, so the sums are ORs
-                x_even, x_odd = _byte_words(xq, BW)
+            x_off = kb[:, None] + tl.arange(0, 32)[None, :]  # [NB, 32]
+            x32, raw = _load_x(x_ptr, x_off, b_ok[:, None], x_off, nw_ptr, rstd, K, NORM, GLU)
+            ss += tl.sum(raw * raw, axis=1)
+            amax = tl.max(tl.abs(x32), axis=1)  # [NB]
+            # 127 times the IEEE-rounded 1 / amax, then round-half-even, as
+            # activation_int8_reference computes (v + 0.5 would fuse into an FMA).
+            inv = 127.0 * _reciprocal(tl.maximum(amax, 1e-30), WORDS)
+            xq = _round_to_int(x32 * inv[:, None], WORDS)  # [NB, 32], -127..127; 0 if amax is
+            x_scale = amax * (1.0 / 127.0)
+            xsum = tl.sum(xq, axis=1).to(tl.float32) * x_scale  # [NB]
+            # bytes of x as words like w's: k = 8j + 2t + c, c = 0 the even k; the bytes are
+            # disjoint, so the sums are ORs
+            x_even, x_odd = tl.split(tl.reshape(xq & 255, [NB, 4, 4, 2]))  # [NB, 4 (j), 4 (t)]
+            x_even = tl.reshape(tl.sum(x_even << shift[None, None, :], axis=2), [BW])
+            x_odd = tl.reshape(tl.sum(x_odd << shift[None, None, :], axis=2), [BW])
             q = _dp4a(w & 0x0F0F0F0F, x_even[None, :], tl.zeros_like(w), WORDS)
             q = _dp4a((w >> 4) & 0x0F0F0F0F, x_odd[None, :], q, WORDS)  # [BN, BW]
-            q = tl.sum(tl.reshape(q, [BLOCK_N, NB, XB // 8]), axis=2)  # [BN, NB]: q * x_int8
+            q = tl.sum(tl.reshape(q, [BLOCK_N, NB, 4]), axis=2)  # [BN, NB]: sum of q * x_int8
             qx = q.to(tl.float32) * x_scale[None, :]
             # per group: the blocks' sums, and the group's scale and offset. Their offsets are
             # written as the group's first one plus a range, so the compiler sees them
             # contiguous along the row and neighbouring threads read neighbouring groups (per
             # block, each thread's 2-byte loads fell in sectors of their own: 88% of the
             # sectors read were waste, and waiting on them was a third of the kernel's stalls).
-            qx = tl.sum(tl.reshape(qx, [BLOCK_N, NG, G // XB]), axis=2)  # [BN, NG]
-            xsum = tl.sum(tl.reshape(xsum, [NG, G // XB]), axis=1)  # [NG]
+            qx = tl.sum(tl.reshape(qx, [BLOCK_N, NG, G // 32]), axis=2)  # [BN, NG]
+            xsum = tl.sum(tl.reshape(xsum, [NG, G // 32]), axis=1)  # [NG]
             acc += s * (qx - z * xsum[None, :])
         return tl.sum(acc, axis=1)[None, :], tl.sum(ss)  # [1, BN], as _int8_words
 
@@ -416,10 +374,10 @@ if triton is not None:
 
     @triton.jit
     def _row_dot(
-        x_ptr, xp_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, K, stride_wn, stride_sn, rn, n_ok, k_lo,
-        k_hi, FMT: tl.constexpr, G: tl.constexpr, SG: tl.constexpr, NORM: tl.constexpr,
+        x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, K, stride_wn, stride_sn, rn, n_ok, k_lo, k_hi,
+        FMT: tl.constexpr, G: tl.constexpr, SG: tl.constexpr, NORM: tl.constexpr,
         GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
-        STAGES: tl.constexpr, XB: tl.constexpr,
+        STAGES: tl.constexpr,
     ):  # fmt: skip
         # One row of x' (the prologue applied, RMSNorm's rstd left to the caller) against rows
         # rn of W over k_lo..k_hi -> ([1, BLOCK_N] float32 sums, int8's and fp8's row scales
@@ -431,8 +389,8 @@ if triton is not None:
             )  # fmt: skip
         elif WORDS and FMT == 2:
             out, ss = _int4_words(
-                x_ptr, xp_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, 1.0, K, stride_wn, stride_sn, rn,
-                n_ok, k_lo, k_hi, G, SG, NORM, GLU, BLOCK_N, BLOCK_K, WORDS, STAGES, XB,
+                x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, 1.0, K, stride_wn, stride_sn, rn, n_ok,
+                k_lo, k_hi, G, SG, NORM, GLU, BLOCK_N, BLOCK_K, WORDS, STAGES,
             )  # fmt: skip
         else:
             tl.static_assert(FMT != 2)
@@ -457,14 +415,14 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, e_ptr, xp_ptr, pn_ptr, yp_ptr,
+        x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, e_ptr,
         M, N, K, eps, stride_xm, stride_wn, stride_sn, stride_rm, stride_ym, stride_we, stride_se,
-        x_share, n_experts, x_parts, FMT: tl.constexpr, G: tl.constexpr, SG: tl.constexpr,
+        x_share, n_experts, FMT: tl.constexpr, G: tl.constexpr, SG: tl.constexpr,
         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, WORDS: tl.constexpr, EXPERTS: tl.constexpr,
         TOPK: tl.constexpr, E_P2: tl.constexpr, MIX: tl.constexpr, PDL: tl.constexpr,
-        STAGES: tl.constexpr, XB: tl.constexpr, PARTS_P2: tl.constexpr, PACK: tl.constexpr,
+        STAGES: tl.constexpr,
     ):  # fmt: skip
         # y[m, n] = sum_k x'[m, k] * W[n, k] (+ bias[n]) (+ residual[m, n]), x' = prologue(x).
         # BLOCK_M == 1: elementwise products summed once at the end (no tensor cores needed);
@@ -474,8 +432,6 @@ if triton is not None:
         # expert is e_ptr[row], or with TOPK the (row % TOPK)-th pick of router logits e_ptr
         # [rows / TOPK, n_experts]. MIX: program_id(2) a token, and its row is the sum of its
         # TOPK picks' rows (x rows token * TOPK + j), each times its routing weight.
-        # XB == 16: one-row int4 reads x quantized from the pack at xp_ptr, its x_parts sums of
-        # squares included. PACK: y's own pack for the next GEMV, x' = y * pn_ptr[:], at yp_ptr.
         _dependent_launch(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -526,16 +482,16 @@ if triton is not None:
             for j in tl.static_range(TOPK):
                 e, weight = _route_pick(e_ptr + row * n_experts, n_experts, j, E_P2, TOPK)
                 part, _ = _row_dot(
-                    x_ptr + (row * TOPK + j) * stride_xm, xp_ptr, w_ptr + e * stride_we,
+                    x_ptr + (row * TOPK + j) * stride_xm, w_ptr + e * stride_we,
                     s_ptr + e * stride_se, z_ptr + e * stride_se, nw_ptr, K, stride_wn,
                     stride_sn, rn, n_ok, k_lo, k_hi, FMT, G, SG, NORM, GLU, BLOCK_N, BLOCK_K,
-                    WORDS, STAGES, XB,
+                    WORDS, STAGES,
                 )  # fmt: skip
                 out += weight * part
         elif BLOCK_M == 1:
             out, ss_x = _row_dot(
-                x_ptr, xp_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, K, stride_wn, stride_sn, rn, n_ok,
-                k_lo, k_hi, FMT, G, SG, NORM, GLU, BLOCK_N, BLOCK_K, WORDS, STAGES, XB,
+                x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, K, stride_wn, stride_sn, rn, n_ok, k_lo,
+                k_hi, FMT, G, SG, NORM, GLU, BLOCK_N, BLOCK_K, WORDS, STAGES,
             )  # fmt: skip
         elif FMT == 2 and BLOCK_K == G:
             # int4, many rows (prefill), one group per step: its scale and offset are [BLOCK_N]
@@ -625,10 +581,6 @@ if triton is not None:
                 out = out * tl.load(s_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
         if NORM and BLOCK_M == 1:  # the one-row paths summed x * norm_weight: rstd now
             if LATE_RSTD:
-                if XB == 16:  # the producer's sums of squares, one per program of it
-                    rp = tl.arange(0, PARTS_P2)
-                    part = tl.load(xp_ptr + K // 4 + K // 8 + rp, mask=rp < x_parts, other=0)
-                    ss_x = tl.sum(part.to(tl.float32, bitcast=True))
                 rstd = tl.rsqrt(ss_x / K + eps)
             out = out * rstd
         y_off = rm[:, None] * stride_ym + rn[None, :]
@@ -639,21 +591,6 @@ if triton is not None:
             if RESIDUAL:
                 r_off = rm[:, None] * stride_rm + rn[None, :]
                 out += tl.load(r_ptr + r_off, mask=y_ok, other=0).to(tl.float32)
-        if PACK:  # one row, SPLIT_K 1, N a whole number of BLOCK_N, BLOCK_N of blocks of 16
-            # y as the next GEMV will load it, times its RMSNorm weight, quantized per block
-            # of 16 (as its own loop would, with blocks of 16): each block is one program's.
-            yb = out.to(y_ptr.dtype.element_ty).to(tl.float32)  # [1, BN]
-            ss_y = tl.sum(tl.sum(yb * yb, axis=1), axis=0)
-            tl.store(yp_ptr + N // 4 + N // 8 + pid_n, ss_y.to(tl.int32, bitcast=True))
-            v = yb * tl.load(pn_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
-            yq, y_scale, ysum = _quantize_blocks(tl.reshape(v, [BLOCK_N // 16, 16]), WORDS)
-            y_even, y_odd = _byte_words(yq, BLOCK_N // 8)
-            rw = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-            tl.store(yp_ptr + rw, y_even)
-            tl.store(yp_ptr + N // 8 + rw, y_odd)
-            rb = N // 4 + pid_n * (BLOCK_N // 16) + tl.arange(0, BLOCK_N // 16)
-            tl.store(yp_ptr + rb, y_scale.to(tl.int32, bitcast=True))
-            tl.store(yp_ptr + N // 16 + rb, ysum.to(tl.int32, bitcast=True))
         if SPLIT_K == 1:
             tl.store(y_ptr + y_off, out.to(y_ptr.dtype.element_ty), mask=y_ok)
         else:
@@ -671,15 +608,12 @@ def dependent_launch(x: Tensor) -> dict:
     return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
 
 
-def gemv_config(
-    fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: int = 0, pack: bool = False
-) -> dict:
+def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: int = 0) -> dict:
     # Launch parameters by shape, from sweeps on an H200 (scripts/bench.py --sweep; rounds 10
     # and 12 in bench_results/h200_kernels_*round1[02]*.json) and decode A/B runs:
     # enough 16-byte loads in flight per SM and enough programs to cover its 132 SMs. experts:
     # the rows of an expert GEMV (each its own expert's weights, M is then 1), which multiply
-    # the programs. pack: the GEMV writes an x pack (x_pack_words), whose blocks of 16 must
-    # each be one program's.
+    # the programs.
     if M > MAX_GEMV_ROWS:  # prefill of a quantized weight: GEMM tiles, an int4 one per group
         block_m = 64 if M > 32 else 32
         block_k = groupsize if fmt == INT4 else 64
@@ -747,27 +681,8 @@ def gemv_config(
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], 16)
     else:
         cfg["STAGES"] = stages
-        if pack:
-            cfg["BLOCK_N"] = max(cfg["BLOCK_N"], 16)
     split = split_k(N, K, cfg["BLOCK_N"], cfg["BLOCK_K"], max(experts, 1))
     return dict(cfg, BLOCK_M=block_m, SPLIT_K=split)
-
-
-def x_pack_words(fmt: int, N: int, K: int, groupsize: int = 0) -> int:
-    # The size in int32 words of the pack that a one-row GEMV with this weight writes besides
-    # its output y [N] (0 where its launch shape cannot: split K), for a one-row int4 GEMV
-    # after it whose prologue is an RMSNorm with weight g. The next GEMV then skips its
-    # quantization of x (done per block in every one of its programs otherwise). Layout:
-    #   [0, N/8)           bytes of y * g rounded to int8 per block of 16, even k (_byte_words)
-    #   [N/8, N/4)         the odd k
-    #   [N/4, N/4 + N/16)  each block's scale (float32 bits), max|y * g| / 127
-    #   [.., N/4 + N/8)    each block's sum of int8 values times its scale
-    #   [N/4 + N/8, ..)    sum(y^2) over each program's BLOCK_N outputs: RMSNorm's statistics
-    cfg = gemv_config(fmt, 1, N, K, groupsize, pack=True)
-    block_n = cfg["BLOCK_N"]
-    if cfg["SPLIT_K"] > 1 or N % block_n or block_n % 16:
-        return 0
-    return N // 4 + N // 8 + N // block_n
 
 
 def split_k(N: int, K: int, block_n: int, block_k: int, rows: int = 1) -> int:
@@ -801,7 +716,6 @@ def gemv(
     router_logits: Tensor | None = None,
     top_k: int = 0,
     mix: bool = False,
-    x_pack: Tensor | None = None,
 ) -> Tensor:
     # y = prologue(x) @ W^T (+ bias) (+ residual), x [..., K] (or [..., 2K] with glu), any
     # number of rows -> y [..., N] in x's dtype. The prologue is RMSNorm with
@@ -811,49 +725,14 @@ def gemv(
     # router_logits [T, E] instead: the kernel routes as moe.route does, output row m [T * k,
     # N] through token m // k's (m % k)-th pick, k = top_k; with mix, x [T * k, K] (those rows'
     # inputs) and y [T, N] is each token's rows mixed by its routing weights (+ residual).
-    # x_pack: x quantized by the GEMV that wrote x (gemv_packing), for a one-row int4 GEMV with
-    # the RMSNorm whose weight that pack was made for; it then quantizes per block of 16.
     args = (x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual)
-    args += (expert_idx, router_logits, top_k, mix, x_pack)
+    if expert_idx is not None or router_logits is not None:
+        args += (expert_idx, router_logits, top_k, mix)
     if config is not None and triton is not None:  # explicit launch: also Triton's interpreter
         return _gemv_launch(*args, config=config)
     if x.device.type != "cuda" or triton is None:
         return gemv_reference(*args)
     return torch.ops.fastgen.gemv(*args)
-
-
-def gemv_packing(
-    x: Tensor,
-    weight: Tensor,
-    fmt: int = FLOAT,
-    scales: Tensor | None = None,
-    zeros: Tensor | None = None,
-    groupsize: int = 0,
-    *,
-    pack_norm: Tensor,
-    bias: Tensor | None = None,
-    norm_weight: Tensor | None = None,
-    eps: float = 1e-5,
-    glu: bool = False,
-    residual: Tensor | None = None,
-    x_pack: Tensor | None = None,
-    config: dict | None = None,
-) -> tuple[Tensor, Tensor]:
-    # gemv of one row that also writes y's pack (x_pack_words) for a one-row int4 GEMV after
-    # it whose RMSNorm weight is pack_norm -> (y [..., N], pack [words] int32). The pack is
-    # empty where it cannot be made (more rows, split K), and the next GEMV then quantizes y
-    # itself. Without CUDA: the reference and x_pack_reference's pack.
-    args = (x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual)
-    args += (None, None, 0, False, x_pack)
-    if config is not None and triton is not None:
-        return _gemv_launch(*args, pack_norm=pack_norm, config=config)
-    if x.device.type != "cuda" or triton is None:  # the pack the kernel would write
-        y = gemv_reference(*args)
-        N = y.shape[-1]
-        if y.numel() == N and N % 16 == 0:
-            return y, x_pack_reference(y, pack_norm, 16)
-        return y, torch.empty(0, dtype=torch.int32, device=x.device)
-    return torch.ops.fastgen.gemv_packing(*args, pack_norm)
 
 
 def _gemv_launch(
@@ -872,10 +751,8 @@ def _gemv_launch(
     router_logits: Tensor | None = None,
     top_k: int = 0,
     mix: bool = False,
-    x_pack: Tensor | None = None,
-    pack_norm: Tensor | None = None,
     config: dict | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor:
     N = weight.shape[-2]
     K = weight.shape[-1] * (2 if fmt == INT4 else 1)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
@@ -893,16 +770,11 @@ def _gemv_launch(
         share, M = expert_idx.shape[0] // M, expert_idx.shape[0]
     # Experts: one program row per output row, each a one-row GEMV against its own expert(s).
     experts = picks is not None
-    packing = pack_norm is not None and M == 1 and not experts
     if experts:
         cfg = dict(config or gemv_config(fmt, 1, N, K, groupsize, experts=M))
     else:
-        cfg = dict(config or gemv_config(fmt, M, N, K, groupsize, pack=packing))
+        cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
     split_k = cfg["SPLIT_K"]
-    words_out, block_n = 0, cfg["BLOCK_N"]
-    if packing and split_k == 1 and N % block_n == 0 and block_n % 16 == 0:
-        words_out = N // 4 + N // 8 + N // block_n  # x_pack_words, for this launch shape
-    y_pack = torch.empty(words_out, device=x.device, dtype=torch.int32)
     if split_k > 1:
         y = torch.zeros(M, N, device=x.device, dtype=torch.float32)
     else:
@@ -935,12 +807,6 @@ def _gemv_launch(
     if fmt == INT4 and words:
         sg = next(v for v in (8, 4, 2, 1) if (K // groupsize) % v == 0 and
                   (cfg["BLOCK_K"] // groupsize) % v == 0)  # fmt: skip
-    # x quantized by the GEMV before (XB 16), or by each program here (XB 32)
-    x_parts = 0
-    if x_pack is not None and x_pack.numel() and fmt == INT4 and words and M == 1:
-        x_parts = x_pack.numel() - K // 4 - K // 8
-        if experts or glu or norm_weight is None or K % 16 or x_parts < 1:
-            raise ValueError("an x pack goes with one row of x, K words long, and an RMSNorm")
     tiles = M if experts else triton.cdiv(M, cfg["BLOCK_M"])
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), split_k, tiles)
     _gemv_kernel[grid](
@@ -949,16 +815,11 @@ def _gemv_launch(
         zeros if zeros is not None else y,
         bias if bias is not None else y,
         norm_weight if norm_weight is not None else y,
-        r2, y, picks if experts else y,
-        x_pack if x_parts else y_pack,
-        pack_norm if words_out else y,
-        y_pack, 1 if experts else M, N, K, eps,
+        r2, y, picks if experts else y, 1 if experts else M, N, K, eps,
         x2.stride(0), weight.stride(-2), stride_sn,
         r2.stride(0), y.stride(0),
         weight.stride(0) if experts else 0,
-        scales.stride(0) if experts and scales is not None else 0, share, n_experts, x_parts,
-        XB=16 if x_parts else 32, PARTS_P2=triton.next_power_of_2(max(x_parts, 1)),
-        PACK=words_out > 0,
+        scales.stride(0) if experts and scales is not None else 0, share, n_experts,
         EXPERTS=experts, TOPK=top_k if n_experts else 0,
         E_P2=max(2, triton.next_power_of_2(n_experts)), MIX=mix, FMT=fmt,
         G=max(groupsize, 2), SG=sg, HAS_BIAS=bias is not None,
@@ -968,8 +829,7 @@ def _gemv_launch(
     )  # fmt: skip
     if experts:
         return y.to(x.dtype)  # [M, N]
-    y = y.to(x.dtype).reshape(*x.shape[:-1], N)
-    return (y, y_pack) if pack_norm is not None else y
+    return y.to(x.dtype).reshape(*x.shape[:-1], N)
 
 
 if triton is not None:
@@ -991,17 +851,16 @@ if triton is not None:
         router_logits: Tensor | None = None,
         top_k: int = 0,
         mix: bool = False,
-        x_pack: Tensor | None = None,
     ) -> Tensor:
         return _gemv_launch(
             x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual,
-            expert_idx, router_logits, top_k, mix, x_pack,
+            expert_idx, router_logits, top_k, mix,
         )  # fmt: skip
 
     @_gemv_op.register_fake
     def _gemv_fake(
         x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual,
-        expert_idx=None, router_logits=None, top_k=0, mix=False, x_pack=None,
+        expert_idx=None, router_logits=None, top_k=0, mix=False,
     ):  # fmt: skip
         if router_logits is not None:
             T = router_logits.shape[0]
@@ -1009,39 +868,6 @@ if triton is not None:
         if expert_idx is not None:
             return x.new_empty(expert_idx.shape[0], weight.shape[-2])
         return x.new_empty(*x.shape[:-1], weight.shape[-2])
-
-    @torch.library.custom_op("fastgen::gemv_packing", mutates_args=())
-    def _gemv_packing_op(
-        x: Tensor,
-        weight: Tensor,
-        fmt: int,
-        scales: Tensor | None,
-        zeros: Tensor | None,
-        groupsize: int,
-        bias: Tensor | None,
-        norm_weight: Tensor | None,
-        eps: float,
-        glu: bool,
-        residual: Tensor | None,
-        expert_idx: Tensor | None,
-        router_logits: Tensor | None,
-        top_k: int,
-        mix: bool,
-        x_pack: Tensor | None,
-        pack_norm: Tensor,
-    ) -> tuple[Tensor, Tensor]:
-        return _gemv_launch(
-            x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual,
-            expert_idx, router_logits, top_k, mix, x_pack, pack_norm,
-        )  # fmt: skip
-
-    @_gemv_packing_op.register_fake
-    def _gemv_packing_fake(x, weight, fmt, scales, zeros, groupsize, *rest):
-        N, K = weight.shape[-2], weight.shape[-1] * (2 if fmt == INT4 else 1)
-        rows = x.numel() // x.shape[-1]
-        words = x_pack_words(fmt, N, K, groupsize) if rows == 1 else 0
-        y = x.new_empty(*x.shape[:-1], N)
-        return y, x.new_empty(words, dtype=torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1459,16 +1285,9 @@ class GemvLinear(nn.Module):
             else:
                 self.register_buffer(name, t)
 
-    def forward(self, x: Tensor, pack_norm: Tensor | None = None, **fused):
-        # fused: gemv's prologue/epilogue arguments (norm_weight, eps, glu, residual, x_pack).
-        # pack_norm: -> (y, y's pack for a one-row int4 GEMV next whose RMSNorm weight it is;
-        # empty where gemv_packing makes none)
+    def forward(self, x: Tensor, **fused) -> Tensor:
+        # fused: gemv's prologue/epilogue arguments (norm_weight, eps, glu, residual)
         rows = x.numel() // x.shape[-1]
-        if pack_norm is not None:
-            if rows == 1:
-                w = (self.weight, self.fmt, self.scales, self.zeros, self.groupsize)
-                return gemv_packing(x, *w, pack_norm=pack_norm, bias=self.bias, **fused)
-            return self(x, **fused), x.new_empty(0, dtype=torch.int32)
         # Several rows of a float weight go to cuBLAS: gemv's tensor-core path for them
         # measured slow on an H200 (Llama-3.1-8B, batch 8: 406 tok/s in all, 1.9x one row).
         # Quantized weights take gemv up to TILE_ROWS rows (batches, short prompts).
@@ -1477,7 +1296,6 @@ class GemvLinear(nn.Module):
                 x, self.weight, self.fmt, self.scales, self.zeros, self.groupsize, self.bias,
                 **fused,
             )  # fmt: skip
-        fused.pop("x_pack", None)  # a pack only ever comes with one row
         return reference_epilogue(self.linear, x, **fused)
 
 
@@ -1585,16 +1403,9 @@ class FusedBlock(nn.Module):
     # block fuses its attention half alike, and decoding runs its feed-forward as three GEMVs
     # (moe_feed_forward); otherwise its router and experts run as MOEFeedForward does.
     def forward(self, x: Tensor, freqs_cis: Tensor, mask, input_pos: Tensor) -> Tensor:
-        return self.step(x, freqs_cis, mask, input_pos)[0]
-
-    def step(self, x, freqs_cis, mask, input_pos, x_pack=None, next_norm=None):
-        # forward, where x may come with its pack (gemv_packing) from the block before, and
-        # with next_norm (the next block's attention RMSNorm weight, its wqkv int4) w2 writes
-        # the output's pack -> (output, pack or None). Within the block, wo packs h for an
-        # int4 w13 alike: each saves the GEMV after it quantizing x in every program.
         attn, ff = self.attention, self.feed_forward
         anorm, fnorm = self.attention_norm, self.ffn_norm
-        qkv = attn.wqkv(x, norm_weight=anorm.weight, eps=anorm.eps, x_pack=x_pack)
+        qkv = attn.wqkv(x, norm_weight=anorm.weight, eps=anorm.eps)
         if qkv.is_cuda and takes_decode_attention(qkv.shape[1], mask, attn.head_dim):
             # one new token, no padding: rotary embedding and the cache write in the kernel
             cache = attn.kv_cache
@@ -1603,35 +1414,16 @@ class FusedBlock(nn.Module):
             )  # fmt: skip
         else:
             y = attn.attend_qkv(qkv, freqs_cis, mask, input_pos)
+        h = attn.wo(y, residual=x)
         if hasattr(ff, "run_experts"):
-            h = attn.wo(y, residual=x)
             if routes_in_gemv(ff, h):
-                return moe_feed_forward(h, ff, fnorm.weight, fnorm.eps), None
+                return moe_feed_forward(h, ff, fnorm.weight, fnorm.eps)
             if ff.run_experts is moe_experts and isinstance(ff.gate, GemvLinear):
                 # the RMSNorm in the router's and w13's prologues
-                return h + ff(h, norm_weight=fnorm.weight, eps=fnorm.eps), None
-            return h + ff(fnorm(h)), None
-        h_pack = None
-        if ff.w13.fmt == INT4:
-            h, h_pack = attn.wo(y, residual=x, pack_norm=fnorm.weight)
-        else:
-            h = attn.wo(y, residual=x)
-        gate_up = ff.w13(h, norm_weight=fnorm.weight, eps=fnorm.eps, x_pack=h_pack)
-        if next_norm is None:
-            return ff.w2(gate_up, glu=True, residual=h), None
-        return ff.w2(gate_up, glu=True, residual=h, pack_norm=next_norm)
-
-
-def run_fused_layers(layers: nn.ModuleList, x: Tensor, freqs_cis: Tensor, mask, input_pos):
-    # model.run_layers for a model of FusedBlocks: each block's output goes to the next with
-    # its pack where the next block's wqkv is int4 (FusedBlock.step).
-    pack = None
-    for i, layer in enumerate(layers):
-        nxt = layers[i + 1] if i + 1 < len(layers) else None
-        packs = nxt is not None and nxt.attention.wqkv.fmt == INT4
-        next_norm = nxt.attention_norm.weight if packs else None
-        x, pack = layer.step(x, freqs_cis, mask, input_pos, pack, next_norm)
-    return x
+                return h + ff(h, norm_weight=fnorm.weight, eps=fnorm.eps)
+            return h + ff(fnorm(h))
+        gate_up = ff.w13(h, norm_weight=fnorm.weight, eps=fnorm.eps)
+        return ff.w2(gate_up, glu=True, residual=h)
 
 
 def use_kernels(model: nn.Module) -> nn.Module:
@@ -1665,7 +1457,4 @@ def use_kernels(model: nn.Module) -> nn.Module:
             isinstance(m, GemvLinear) for m in linears
         ):
             layer.__class__ = FusedBlock
-    layers = getattr(model, "layers", [])
-    if hasattr(model, "run_layers") and layers and all(type(m) is FusedBlock for m in layers):
-        model.run_layers = run_fused_layers
     return model

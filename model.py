@@ -434,12 +434,6 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def run_layers(layers: nn.ModuleList, x: Tensor, freqs_cis: Tensor, mask, input_pos) -> Tensor:
-    for layer in layers:
-        x = layer(x, freqs_cis, mask, input_pos)
-    return x
-
-
 class Transformer(nn.Module):
     def __init__(self, config: ModelArgs):
         super().__init__()
@@ -452,7 +446,6 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = -1
         self.max_seq_len = -1
-        self.run_layers = run_layers  # kernels.use_kernels passes packs between fused blocks
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int):
         if self.max_batch_size >= max_batch_size and self.max_seq_len == max_seq_len:
@@ -500,7 +493,8 @@ class Transformer(nn.Module):
             zero = torch.zeros(mask.shape, device=idx.device, dtype=self.freqs_cis.dtype)
             mask = zero.masked_fill(~mask, -float("inf"))
         x = self.tok_embeddings(idx)  # [B, T, dim]
-        x = self.run_layers(self.layers, x, freqs_cis, mask, input_pos)
+        for layer in self.layers:
+            x = layer(x, freqs_cis, mask, input_pos)
         if last_logits_only:
             x = x[:, -1:]
         return self.output(self.norm(x))  # [B, T or 1, vocab]
