@@ -25,6 +25,11 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the references below still work
     triton = None
+try:  # Gluon: Triton with explicit layouts (one-row int4 GEMV on CUDA)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+except ImportError:
+    gluon = None
 
 FLOAT, INT8, INT4, FP8 = 0, 1, 2, 3
 MAX_GEMV_ROWS = 16  # up to this many rows: GEMV launch shapes; above: GEMM tiles
@@ -615,6 +620,168 @@ if triton is not None:
             tl.atomic_add(y_ptr + y_off, out, mask=y_ok, sem="relaxed")
 
 
+# ---------------------------------------------------------------------------------------------
+# One-row int4 GEMV in Gluon
+# ---------------------------------------------------------------------------------------------
+# The Triton kernel above leaves the layouts to the compiler, which spreads x's blocks of 32
+# over several threads and then moves them between layouts through shared memory: on the
+# H200 (Triton 3.6) its one-row int4 loop holds 5 such exchanges and 10 barriers per step.
+# Here the layouts are written out: each thread owns one block of 32 k, both its 4 weight
+# words (16 bytes) of every row and its 32 values of x, so x's rounding to int8, its packing
+# into words and the dp4a products stay in the thread's registers. The only exchange is the
+# final sum over the row. The first step's weights load before the wait on the kernel before
+# (they never depend on it), and each step loads the next one's while it computes.
+# Same arithmetic as _int4_words (x rounded like activation_int8_reference); the group
+# scales apply per block of 32, so sums are added in another order. Runs on CUDA only
+# (Triton's interpreter has no Gluon); the GPU tests compare it with gemv_reference.
+
+if gluon is not None:
+
+    @gluon.jit
+    def _gl_dp4a(a, b, c):
+        return gl.inline_asm_elementwise(
+            "dp4a.u32.s32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            [a, b, c],
+            dtype=gl.int32,
+            is_pure=True,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _gl_round_bits(v):
+        # v + 1.5 * 2^23 rounded to nearest even: the integer round(v) sits in the low mantissa
+        # bits (|v| < 2^22). An add of its own, so it cannot fuse with the product before it.
+        return gl.inline_asm_elementwise(
+            "add.rn.f32 $0, $1, 0f4B400000;", "=f,f", [v], dtype=gl.float32, is_pure=True, pack=1
+        ).to(gl.int32, bitcast=True)
+
+    @gluon.jit
+    def _gl_reciprocal(a):
+        r = 1.0 / a
+        return gl.fma(gl.fma(-a, r, 1.0), r, r)
+
+    @gluon.jit
+    def _gl_pdl_launch():
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0",
+            "=r",
+            [],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _gl_pdl_wait():
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+    @gluon.jit
+    def _int4_row_gluon(
+        x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn, stride_sn,
+        G: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
+        BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+    ):  # fmt: skip
+        NB: gl.constexpr = 32 * NUM_WARPS  # blocks of 32 k per step: one per thread
+        BLOCK_K: gl.constexpr = 32 * NB
+        # weights [BLOCK_N, NB, 4] int32 words: thread (warp v, lane l) holds block 32v + l, its 4
+        # words (16 bytes), for every row
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [1, NUM_WARPS, 1], [2, 1, 0])
+        LQ: gl.constexpr = gl.SliceLayout(2, L3)  # [BLOCK_N, NB]
+        # x [NB, 4, 8]: the same thread holds the same block's 32 values
+        X3: gl.constexpr = gl.BlockedLayout([1, 4, 8], [32, 1, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
+        XB: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, X3))  # [NB]
+        pid = gl.program_id(0)
+        if PDL:
+            _gl_pdl_launch()
+        rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LQ))  # [BN]
+        n_ok = rn < N
+        rn3 = gl.expand_dims(gl.expand_dims(rn, 1), 2)  # [BN, 1, 1]
+        rb = gl.arange(0, NB, layout=gl.SliceLayout(0, LQ))  # [NB]
+        rb3 = gl.expand_dims(gl.expand_dims(rb, 0), 2)  # [1, NB, 1]
+        rt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        rt3 = gl.expand_dims(gl.expand_dims(rt, 0), 1)  # [1, 1, 4]
+        w_rows = w_ptr + rn3 * stride_wn + rb3 * 4 + rt3
+        n_ok3 = gl.expand_dims(gl.expand_dims(n_ok, 1), 2)
+        s_rows = gl.expand_dims(rn, 1) * stride_sn  # [BN, 1]
+        n_ok2 = gl.expand_dims(n_ok, 1)
+        # x offsets within a step
+        xb = gl.arange(0, NB, layout=XB)
+        xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X3)))
+        xi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
+        x_in = (
+            gl.expand_dims(gl.expand_dims(xb * 32, 1), 2)
+            + gl.expand_dims(gl.expand_dims(xt * 8, 0), 2)
+            + gl.expand_dims(gl.expand_dims(xi, 0), 1)
+        )  # [NB, 4, 8]
+
+        # The first step's weights do not depend on the kernel before: they load before the wait.
+        b_ok3 = rb3 * 32 < K
+        w = gl.load(w_rows, mask=n_ok3 & b_ok3, other=0)
+        g_off = s_rows + gl.expand_dims(rb * 32 // G, 0)  # [BN, NB]
+        sg_ok = n_ok2 & gl.expand_dims(rb * 32 < K, 0)
+        s = gl.load(s_ptr + g_off, mask=sg_ok, other=0)
+        z = gl.load(z_ptr + g_off, mask=sg_ok, other=0)
+        if PDL:
+            _gl_pdl_wait()
+        if RESIDUAL:
+            res = gl.load(r_ptr + rn, mask=n_ok, other=0).to(gl.float32)
+        acc = gl.zeros([BLOCK_N, NB], gl.float32, LQ)
+        ss = gl.zeros([NB], gl.float32, XB)
+        for k0 in range(0, K, BLOCK_K):
+            # the next step's weights, in flight while this one computes (masked off past K)
+            k1 = k0 + BLOCK_K
+            b1_ok3 = k1 + rb3 * 32 < K
+            w_next = gl.load(w_rows + k1 // 8, mask=n_ok3 & b1_ok3, other=0)
+            g1_off = g_off + k1 // G
+            sg1_ok = n_ok2 & gl.expand_dims(k1 + rb * 32 < K, 0)
+            s_next = gl.load(s_ptr + g1_off, mask=sg1_ok, other=0)
+            z_next = gl.load(z_ptr + g1_off, mask=sg1_ok, other=0)
+            # x: this thread's block of 32, with the prologue, rounded to int8 like
+            # activation_int8_reference
+            xb_ok = gl.expand_dims(gl.expand_dims(k0 + xb * 32 < K, 1), 2)
+            x_off = k0 + x_in
+            if GLU:
+                gate = gl.load(x_ptr + x_off, mask=xb_ok, other=0).to(gl.float32)
+                up = gl.load(x_ptr + x_off + K, mask=xb_ok, other=0).to(gl.float32)
+                xv = gate * (1 / (1 + gl.exp(-gate))) * up
+            else:
+                xv = gl.load(x_ptr + x_off, mask=xb_ok, other=0).to(gl.float32)
+            if NORM:
+                ss += gl.sum(gl.sum(xv * xv, axis=2), axis=1)
+                xv = xv * gl.load(nw_ptr + x_off, mask=xb_ok, other=0).to(gl.float32)
+            amax = gl.max(gl.max(gl.abs(xv), axis=2), axis=1)  # [NB]
+            inv = 127.0 * _gl_reciprocal(gl.maximum(amax, 1e-30))
+            bits = _gl_round_bits(xv * gl.expand_dims(gl.expand_dims(inv, 1), 2))  # [NB, 4, 8]
+            qsum = gl.sum(gl.sum(bits - 0x4B400000, axis=2), axis=1)  # [NB]: sum of x_int8
+            x_even, x_odd = gl.split(gl.reshape(bits & 255, [NB, 4, 4, 2]))  # [NB, 4, 4]
+            PL: gl.constexpr = x_even.type.layout
+            shift = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, PL))) * 8
+            shift = gl.expand_dims(gl.expand_dims(shift, 0), 1)  # [1, 1, 4]
+            x_even = gl.sum(x_even << shift, axis=2)
+            x_odd = gl.sum(x_odd << shift, axis=2)
+            x_even = gl.expand_dims(gl.convert_layout(x_even, gl.SliceLayout(0, L3)), 0)
+            x_odd = gl.expand_dims(gl.convert_layout(x_odd, gl.SliceLayout(0, L3)), 0)
+            q = _gl_dp4a(w & 0x0F0F0F0F, x_even, gl.zeros_like(w))
+            q = _gl_dp4a((w >> 4) & 0x0F0F0F0F, x_odd, q)
+            q = gl.sum(q, axis=2)  # [BN, NB]
+            x_scale = gl.convert_layout(amax * (1.0 / 127.0), gl.SliceLayout(0, LQ))
+            xsum = gl.convert_layout(qsum, gl.SliceLayout(0, LQ)).to(gl.float32) * x_scale
+            qx = q.to(gl.float32) * gl.expand_dims(x_scale, 0)
+            acc += s.to(gl.float32) * (qx - z.to(gl.float32) * gl.expand_dims(xsum, 0))
+            w = w_next
+            s = s_next
+            z = z_next
+        out = gl.sum(acc, axis=1)  # [BN]
+        if NORM:
+            out = out * gl.rsqrt(gl.sum(ss, axis=0) / K + eps)
+        if RESIDUAL:
+            out += res
+        gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
 def dependent_launch(x: Tensor) -> dict:
     # The launch arguments for _dependent_launch: on for CUDA devices of compute capability 9
     # and up, off in Triton's interpreter (which has no PTX).
@@ -801,6 +968,7 @@ def _gemv_launch(
     if weight.dtype == torch.float8_e4m3fn:
         weight = weight.view(torch.uint8)
     words = cfg.pop("WORDS", None)
+    use_gluon = cfg.pop("GLUON", False)
     # STAGES: how many K steps the loop keeps loading ahead (cp.async into shared memory);
     # a plain loop (1) for the row tiles, whose tl.dot loads Triton pipelines by num_stages.
     stages = cfg.pop("STAGES", 1 if cfg["BLOCK_M"] == 1 else cfg["num_stages"])
@@ -818,6 +986,18 @@ def _gemv_launch(
     words = int(words) * (1 if os.environ.get("TRITON_INTERPRET") == "1" else 2)
     if words:
         weight = weight.view(torch.int32)  # [N, K/4] for int8, [N, K/8] for int4
+    if use_gluon and words == 2 and fmt == INT4 and M == 1 and not experts and bias is None:
+        if gluon is None or split_k > 1:
+            raise ValueError("the Gluon int4 gemv needs triton.experimental.gluon and no split")
+        _int4_row_gluon[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+            x2, weight, scales, zeros,
+            norm_weight if norm_weight is not None else y,
+            r2, y, N, K, eps, weight.stride(-2), scales.stride(-2),
+            G=groupsize, NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None,
+            BLOCK_N=cfg["BLOCK_N"], NUM_WARPS=cfg["num_warps"], num_warps=cfg["num_warps"],
+            **dependent_launch(x),
+        )  # fmt: skip
+        return y.reshape(*x.shape[:-1], N)
     # int4's scales are per group ([.., N, groups]); int8's and fp8's per row need no stride
     stride_sn = scales.stride(-2) if scales is not None and scales.dim() > 1 else 0
     # int4 one-row: scales load in runs of SG groups, SG dividing a row's groups and a step's

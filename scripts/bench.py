@@ -748,6 +748,10 @@ def sweep_configs(fmt, N, K, groupsize=32, experts=0):
     configs += [dict(default, STAGES=s) for s in (1, 2, 3, 4) if s != default["STAGES"]]
     if fmt == kernels.INT8:  # one-row int4 has the word path only
         configs.append(dict(default, WORDS=False))
+    if fmt == kernels.INT4 and not experts and kernels.gluon is not None:
+        # the Gluon kernel: rows per program, and warps (each warp 1024 k per step)
+        for bn, warps in [(4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]:
+            configs.append(dict(default, GLUON=True, BLOCK_N=bn, num_warps=warps, SPLIT_K=1))
     for bn, bk, warps in grid:
         split = kernels.split_k(N, K, bn, bk, max(experts, 1))
         for stages in (1, 3):  # a plain loop, and K steps loaded ahead through shared memory

@@ -68,6 +68,34 @@ def test_gemv_matches_reference(fmt, rows, split_k, stages):
         torch.testing.assert_close(got, ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.skipif(not GPU or kernels.gluon is None, reason="Gluon kernels run on CUDA only")
+@pytest.mark.parametrize("fusion", ["none", "norm", "glu"])
+@pytest.mark.parametrize("groupsize", [32, 128])
+@pytest.mark.parametrize("block_n, warps", [(4, 2), (8, 4), (16, 8)])
+def test_gluon_int4_row_matches_reference(fusion, groupsize, block_n, warps):
+    # The Gluon one-row int4 GEMV: odd row counts, K not a whole number of steps (1024 k per
+    # warp), the layer fusions, poisoned outputs.
+    torch.manual_seed(block_n + warps + groupsize)
+    for N, K in [(37, 256), (129, 384), (4096, 4096), (4096, 11008), (12288, 4096)]:
+        w = make(kernels.INT4, N, K, groupsize)
+        x = torch.randn(1, 2 * K if fusion == "glu" else K, device=DEVICE, dtype=torch.bfloat16)
+        fused = dict(residual=torch.randn(1, N, device=DEVICE, dtype=torch.bfloat16))
+        if fusion == "norm":
+            fused = dict(norm_weight=torch.rand(K, device=DEVICE) + 0.5, eps=1e-5)
+        elif fusion == "glu":
+            fused["glu"] = True
+        ref = kernels.gemv_reference(x.float(), fmt=kernels.INT4, **w, **fused)
+        cfg = dict(kernels.gemv_config(kernels.INT4, 1, N, K, groupsize), GLUON=True,
+                   BLOCK_N=block_n, num_warps=warps, SPLIT_K=1)  # fmt: skip
+        poison()
+        got = kernels.gemv(x, fmt=kernels.INT4, config=cfg, **w, **fused)
+        assert got.dtype == torch.bfloat16 and got.shape == (1, N)
+        # x is rounded to int8 as the reference rounds it; what differs is the order of the
+        # float32 sums and the final rounding to bfloat16
+        tol = 1e-2
+        torch.testing.assert_close(got.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
 @pytest.mark.parametrize("fmt", sorted(FMTS))
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("fusion", ["norm", "glu"])
