@@ -657,6 +657,50 @@ if gluon is not None:
         ).to(gl.int32, bitcast=True)
 
     @gluon.jit
+    def _gl_split4(v):
+        # [..., 4] -> its 4 slices along the last dimension (held in one thread: no data moves)
+        a, b = gl.split(gl.reshape(v, v.shape[:-1] + [2, 2]))  # a: 0 and 2, b: 1 and 3
+        v0, v2 = gl.split(a)
+        v1, v3 = gl.split(b)
+        return v0, v1, v2, v3
+
+    @gluon.jit
+    def _gl_pack_bytes(b0, b1, b2, b3):
+        # byte 0 of each -> one word, b0 in byte 0
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .b32 lo, hi;
+            prmt.b32 lo, $1, $2, 0x5140;
+            prmt.b32 hi, $3, $4, 0x5140;
+            prmt.b32 $0, lo, hi, 0x5410;
+            }""",
+            "=r,r,r,r,r",
+            [b0, b1, b2, b3],
+            dtype=gl.int32,
+            is_pure=True,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _gl_sigmoid(v):
+        # 1 / (1 + 2^(-v log2 e)) on the approximate ex2 and rcp units (a few ulp): the exact
+        # quotient's range checks were 8 instructions per value of x
+        return gl.inline_asm_elementwise(
+            """{
+            .reg .f32 t;
+            mul.f32 t, $1, 0fBFB8AA3B;
+            ex2.approx.ftz.f32 t, t;
+            add.f32 t, t, 0f3F800000;
+            rcp.approx.ftz.f32 $0, t;
+            }""",
+            "=f,f",
+            [v],
+            dtype=gl.float32,
+            is_pure=True,
+            pack=1,
+        )
+
+    @gluon.jit
     def _gl_reciprocal(a):
         r = 1.0 / a
         return gl.fma(gl.fma(-a, r, 1.0), r, r)
@@ -746,7 +790,7 @@ if gluon is not None:
             if GLU:
                 gate = gl.load(x_ptr + x_off, mask=xb_ok, other=0).to(gl.float32)
                 up = gl.load(x_ptr + x_off + K, mask=xb_ok, other=0).to(gl.float32)
-                xv = gate * (1 / (1 + gl.exp(-gate))) * up
+                xv = gate * _gl_sigmoid(gate) * up
             else:
                 xv = gl.load(x_ptr + x_off, mask=xb_ok, other=0).to(gl.float32)
             if NORM:
@@ -755,22 +799,35 @@ if gluon is not None:
             amax = gl.max(gl.max(gl.abs(xv), axis=2), axis=1)  # [NB]
             inv = 127.0 * _gl_reciprocal(gl.maximum(amax, 1e-30))
             bits = _gl_round_bits(xv * gl.expand_dims(gl.expand_dims(inv, 1), 2))  # [NB, 4, 8]
-            qsum = gl.sum(gl.sum(bits - 0x4B400000, axis=2), axis=1)  # [NB]: sum of x_int8
-            x_even, x_odd = gl.split(gl.reshape(bits & 255, [NB, 4, 4, 2]))  # [NB, 4, 4]
-            PL: gl.constexpr = x_even.type.layout
-            shift = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, PL))) * 8
-            shift = gl.expand_dims(gl.expand_dims(shift, 0), 1)  # [1, 1, 4]
-            x_even = gl.sum(x_even << shift, axis=2)
-            x_odd = gl.sum(x_odd << shift, axis=2)
-            x_even = gl.expand_dims(gl.convert_layout(x_even, gl.SliceLayout(0, L3)), 0)
-            x_odd = gl.expand_dims(gl.convert_layout(x_odd, gl.SliceLayout(0, L3)), 0)
-            q = _gl_dp4a(w & 0x0F0F0F0F, x_even, gl.zeros_like(w))
-            q = _gl_dp4a((w >> 4) & 0x0F0F0F0F, x_odd, q)
-            q = gl.sum(q, axis=2)  # [BN, NB]
-            x_scale = gl.convert_layout(amax * (1.0 / 127.0), gl.SliceLayout(0, LQ))
-            xsum = gl.convert_layout(qsum, gl.SliceLayout(0, LQ)).to(gl.float32) * x_scale
-            qx = q.to(gl.float32) * gl.expand_dims(x_scale, 0)
-            acc += s.to(gl.float32) * (qx - z.to(gl.float32) * gl.expand_dims(xsum, 0))
+            # bytes of x as words like w's (k = 8t + 2i + c, c = 0 the even k), 3 PRMT each;
+            # byte 0 of bits is x_int8
+            x_even, x_odd = gl.split(gl.reshape(bits, [NB, 4, 4, 2]))  # [NB, 4 (t), 4 (i)]
+            e0, e1, e2, e3 = _gl_split4(x_even)
+            x_even = _gl_split4(_gl_pack_bytes(e0, e1, e2, e3))  # 4 x [NB], t = 0..3
+            o0, o1, o2, o3 = _gl_split4(x_odd)
+            x_odd = _gl_split4(_gl_pack_bytes(o0, o1, o2, o3))
+            w_t = _gl_split4(w)  # 4 x [BN, NB]
+            WL: gl.constexpr = w_t[0].type.layout
+            ones = gl.full([1, NB], 0x01010101, gl.int32, WL)
+            qe = gl.zeros([BLOCK_N, NB], gl.int32, WL)  # sum of the even nibbles times x_int8
+            qo = gl.zeros([BLOCK_N, NB], gl.int32, WL)  # 16 times that, the odd nibbles
+            qsum = gl.zeros([1, NB], gl.int32, WL)  # sum of x_int8
+            for t in gl.static_range(4):
+                xe = gl.expand_dims(gl.convert_layout(x_even[t], gl.SliceLayout(0, WL)), 0)
+                xo = gl.expand_dims(gl.convert_layout(x_odd[t], gl.SliceLayout(0, WL)), 0)
+                # the odd nibbles masked in place are 16 times their value: no shift per word
+                qe = _gl_dp4a(w_t[t] & 0x0F0F0F0F, xe, qe)
+                qo = _gl_dp4a(w_t[t] & -252645136, xo, qo)  # 0xF0F0F0F0
+                qsum = _gl_dp4a(ones, xo, _gl_dp4a(ones, xe, qsum))
+            q = qe + (qo >> 4)  # [BN, NB], exact: qo is a multiple of 16
+            x_scale = gl.expand_dims(
+                gl.convert_layout(amax * (1.0 / 127.0), gl.SliceLayout(0, WL)), 0
+            )
+            xsum = qsum.to(gl.float32) * x_scale  # [1, NB]
+            qx = q.to(gl.float32) * x_scale
+            qx = gl.convert_layout(qx, LQ, assert_trivial=True)  # the same threads: no moves
+            xsum = gl.convert_layout(xsum, LQ, assert_trivial=True)
+            acc += s.to(gl.float32) * (qx - z.to(gl.float32) * xsum)
             w = w_next
             s = s_next
             z = z_next
