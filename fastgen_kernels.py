@@ -906,6 +906,17 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
             # The output layer: 89% plain, 85% pipelined. Groups of 128 have a quarter of the
             # scale loads and decode faster plain (Llama-3.1-8B g128: 531.5 against 514.8 tok/s).
             stages = 1 if N > 7 * K or groupsize >= 64 else 3
+        # The narrow ones go to the Gluon kernel (rows per program, warps). Alone, on an H100
+        # (round 18): 7B wo 5.6 us against 6.1 (4 rows, 2 warps), w2 13.2 against 14.0 (16, 4);
+        # 8B g128 wqkv 6.7 against 7.3 (8, 2), wo 5.2 against 5.9, w2 15.4 against 16.2. wqkv
+        # of 7B, w13 and the output layer were as fast or faster in Triton.
+        if gluon is not None and not experts:
+            if N == K:
+                cfg["GLUON"] = (4, 2)
+            elif N < K:
+                cfg["GLUON"] = (16, 4)
+            elif N < 2 * K:
+                cfg["GLUON"] = (8, 2)
     elif fmt == INT4:
         cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4)
     elif N <= 64 and block_m == 1:  # a router's few rows: one program reads the whole weight
@@ -1016,7 +1027,15 @@ def _gemv_launch(
         cfg = dict(config or gemv_config(fmt, 1, N, K, groupsize, experts=M))
     else:
         cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
-    split_k = cfg["SPLIT_K"]
+    # GLUON (rows, warps): the Gluon kernel instead, for one row of int4 on CUDA (not in
+    # Triton's interpreter, which has no Gluon), without bias
+    gl_cfg = cfg.pop("GLUON", None)
+    if not (
+        gl_cfg and gluon is not None and fmt == INT4 and M == 1 and not experts and bias is None
+        and x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    ):  # fmt: skip
+        gl_cfg = None
+    split_k = 1 if gl_cfg else cfg["SPLIT_K"]
     if split_k > 1:
         y = torch.zeros(M, N, device=x.device, dtype=torch.float32)
     else:
@@ -1025,7 +1044,6 @@ def _gemv_launch(
     if weight.dtype == torch.float8_e4m3fn:
         weight = weight.view(torch.uint8)
     words = cfg.pop("WORDS", None)
-    use_gluon = cfg.pop("GLUON", False)
     # STAGES: how many K steps the loop keeps loading ahead (cp.async into shared memory);
     # a plain loop (1) for the row tiles, whose tl.dot loads Triton pipelines by num_stages.
     stages = cfg.pop("STAGES", 1 if cfg["BLOCK_M"] == 1 else cfg["num_stages"])
@@ -1043,16 +1061,14 @@ def _gemv_launch(
     words = int(words) * (1 if os.environ.get("TRITON_INTERPRET") == "1" else 2)
     if words:
         weight = weight.view(torch.int32)  # [N, K/4] for int8, [N, K/8] for int4
-    if use_gluon and words == 2 and fmt == INT4 and M == 1 and not experts and bias is None:
-        if gluon is None or split_k > 1:
-            raise ValueError("the Gluon int4 gemv needs triton.experimental.gluon and no split")
-        _int4_row_gluon[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+    if gl_cfg:
+        block_n, warps = gl_cfg
+        _int4_row_gluon[(triton.cdiv(N, block_n),)](
             x2, weight, scales, zeros,
             norm_weight if norm_weight is not None else y,
             r2, y, N, K, eps, weight.stride(-2), scales.stride(-2),
             G=groupsize, NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None,
-            BLOCK_N=cfg["BLOCK_N"], NUM_WARPS=cfg["num_warps"], num_warps=cfg["num_warps"],
-            **dependent_launch(x),
+            BLOCK_N=block_n, NUM_WARPS=warps, num_warps=warps, **dependent_launch(x),
         )  # fmt: skip
         return y.reshape(*x.shape[:-1], N)
     # int4's scales are per group ([.., N, groups]); int8's and fp8's per row need no stride

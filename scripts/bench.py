@@ -750,8 +750,9 @@ def sweep_configs(fmt, N, K, groupsize=32, experts=0):
         configs.append(dict(default, WORDS=False))
     if fmt == kernels.INT4 and not experts and kernels.gluon is not None:
         # the Gluon kernel: rows per program, and warps (each warp 1024 k per step)
-        for bn, warps in [(4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)]:
-            configs.append(dict(default, GLUON=True, BLOCK_N=bn, num_warps=warps, SPLIT_K=1))
+        for rows_warps in [(4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4)]:
+            configs.append(dict(default, GLUON=rows_warps))
+        configs.append({k: v for k, v in default.items() if k != "GLUON"})  # Triton's
     for bn, bk, warps in grid:
         split = kernels.split_k(N, K, bn, bk, max(experts, 1))
         for stages in (1, 3):  # a plain loop, and K steps loaded ahead through shared memory

@@ -85,8 +85,7 @@ def test_gluon_int4_row_matches_reference(fusion, groupsize, block_n, warps):
         elif fusion == "glu":
             fused["glu"] = True
         ref = kernels.gemv_reference(x.float(), fmt=kernels.INT4, **w, **fused)
-        cfg = dict(kernels.gemv_config(kernels.INT4, 1, N, K, groupsize), GLUON=True,
-                   BLOCK_N=block_n, num_warps=warps, SPLIT_K=1)  # fmt: skip
+        cfg = dict(kernels.gemv_config(kernels.INT4, 1, N, K, groupsize), GLUON=(block_n, warps))
         poison()
         got = kernels.gemv(x, fmt=kernels.INT4, config=cfg, **w, **fused)
         assert got.dtype == torch.bfloat16 and got.shape == (1, N)
