@@ -745,19 +745,20 @@ def sweep_configs(fmt, N, K, groupsize=32, experts=0):
         grid = [(8, 1024, 4), (8, 2048, 4), (16, 2048, 4), (32, 512, 4), (32, 1024, 4)]
         grid += [(16, 1024, 8), (16, 2048, 8)]
     configs = [default]
-    configs += [dict(default, STAGES=s) for s in (1, 2, 3, 4) if s != default["STAGES"]]
+    triton_default = {k: v for k, v in default.items() if k != "GLUON"}  # no Gluon kernel
+    configs += [dict(triton_default, STAGES=s) for s in (1, 2, 3, 4)
+                if s != default["STAGES"] or "GLUON" in default]  # fmt: skip
     if fmt == kernels.INT8:  # one-row int4 has the word path only
-        configs.append(dict(default, WORDS=False))
+        configs.append(dict(triton_default, WORDS=False))
     if fmt == kernels.INT4 and not experts and kernels.gluon is not None:
         # the Gluon kernel: rows per program, and warps (each warp 1024 k per step)
         for rows_warps in [(4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4)]:
-            configs.append(dict(default, GLUON=rows_warps))
-        configs.append({k: v for k, v in default.items() if k != "GLUON"})  # Triton's
+            configs.append(dict(triton_default, GLUON=rows_warps))
     for bn, bk, warps in grid:
         split = kernels.split_k(N, K, bn, bk, max(experts, 1))
         for stages in (1, 3):  # a plain loop, and K steps loaded ahead through shared memory
             cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, SPLIT_K=split, STAGES=stages)
-            configs.append(dict(default, **cfg))
+            configs.append(dict(triton_default, **cfg))
     return configs
 
 

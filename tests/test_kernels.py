@@ -95,6 +95,32 @@ def test_gluon_int4_row_matches_reference(fusion, groupsize, block_n, warps):
         torch.testing.assert_close(got.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.skipif(kernels.gluon is None, reason="this Triton has no Gluon")
+def test_gluon_is_the_default_for_narrow_int4_rows_only():
+    # The narrow one-row int4 shapes default to the Gluon kernel; wide ones, batches and
+    # experts stay on Triton. A config that names it still runs where Gluon cannot (CPU, the
+    # interpreter): the launch falls back to the Triton kernel with the same result.
+    cfg = kernels.gemv_config(kernels.INT4, 1, 256, 256, 32)
+    assert cfg["GLUON"]
+    for args in [(1, 22016, 4096, 32), (3, 256, 256, 32), (1, 256, 256, 32, 2)]:
+        assert "GLUON" not in kernels.gemv_config(kernels.INT4, *args)
+    sweep = bench_module().sweep_configs(kernels.INT4, 256, 256, 32)
+    assert any("GLUON" not in c for c in sweep) and sum("GLUON" in c for c in sweep) > 2
+    torch.manual_seed(1)
+    w = make(kernels.INT4, 256, 256)
+    x = torch.randn(1, 256, device=DEVICE)
+    r = torch.randn(1, 256, device=DEVICE)
+    ref = kernels.gemv_reference(x, fmt=kernels.INT4, residual=r, **w)
+    got = kernels.gemv(x, fmt=kernels.INT4, residual=r, config=cfg, **w)
+    torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
+
+
+def bench_module():
+    from scripts import bench
+
+    return bench
+
+
 @pytest.mark.parametrize("fmt", sorted(FMTS))
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("fusion", ["norm", "glu"])
