@@ -387,8 +387,6 @@ if triton is not None:
         # One row of x' (the prologue applied, RMSNorm's rstd left to the caller) against rows
         # rn of W over k_lo..k_hi -> ([1, BLOCK_N] float32 sums, int8's and fp8's row scales
         # applied; the sum of squares of x as loaded). int4 takes the word path only.
-        if FMT == 1 or FMT == 3:  # the row scales load first, not after the last weights
-            row_scale = tl.load(s_ptr + rn, mask=n_ok, other=0).to(tl.float32)
         if WORDS and FMT == 1:
             out, ss = _int8_words(
                 x_ptr, w_ptr, nw_ptr, 1.0, K, stride_wn, rn, n_ok, k_lo, k_hi,
@@ -417,7 +415,7 @@ if triton is not None:
             out = tl.sum(acc, axis=1)[None, :]  # [1, BN]
             ss = tl.sum(ss_k)
         if FMT == 1 or FMT == 3:
-            out = out * row_scale[None, :]
+            out = out * tl.load(s_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
         return out, ss
 
     @triton.jit
@@ -471,20 +469,6 @@ if triton is not None:
         # costs each program a few dependent L2 reads before its first weight load). Row tiles,
         # and one row split over K (each program sees part of the row): rstd from a first pass.
         LATE_RSTD: tl.constexpr = NORM and BLOCK_M == 1 and SPLIT_K == 1
-        y_off = rm[:, None] * stride_ym + rn[None, :]
-        y_ok = m_ok[:, None] & n_ok[None, :]
-        # One row: the epilogue's bias and residual load now, while the weights stream in.
-        # Loaded after the loop, they add a memory round trip to every program's critical
-        # path once its last weights have arrived. Row tiles load them late (their registers
-        # go to the tiles).
-        EARLY: tl.constexpr = BLOCK_M == 1
-        first = n_ok & (pid_k + tl.zeros_like(rn) == 0)  # [BN]: split 0 adds them
-        if EARLY and HAS_BIAS:
-            bias = tl.load(b_ptr + rn, mask=first, other=0).to(tl.float32)
-        if EARLY and RESIDUAL:
-            r_off = rm[:, None] * stride_rm + rn[None, :]
-            res = tl.load(r_ptr + r_off, mask=m_ok[:, None] & first[None, :], other=0)
-            res = res.to(tl.float32)
         rstd = 1.0
         if NORM and not LATE_RSTD:  # x is small and stays in L2
             ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
@@ -604,16 +588,14 @@ if triton is not None:
             if LATE_RSTD:
                 rstd = tl.rsqrt(ss_x / K + eps)
             out = out * rstd
+        y_off = rm[:, None] * stride_ym + rn[None, :]
+        y_ok = m_ok[:, None] & n_ok[None, :]
         if pid_k == 0:  # the epilogue's additions, once
             if HAS_BIAS:
-                if not EARLY:
-                    bias = tl.load(b_ptr + rn, mask=n_ok, other=0).to(tl.float32)
-                out += bias[None, :]
+                out += tl.load(b_ptr + rn, mask=n_ok, other=0).to(tl.float32)[None, :]
             if RESIDUAL:
-                if not EARLY:
-                    r_off = rm[:, None] * stride_rm + rn[None, :]
-                    res = tl.load(r_ptr + r_off, mask=y_ok, other=0).to(tl.float32)
-                out += res
+                r_off = rm[:, None] * stride_rm + rn[None, :]
+                out += tl.load(r_ptr + r_off, mask=y_ok, other=0).to(tl.float32)
         if SPLIT_K == 1:
             tl.store(y_ptr + y_off, out.to(y_ptr.dtype.element_ty), mask=y_ok)
         else:
