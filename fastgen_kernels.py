@@ -2,7 +2,8 @@
 #   - gemv: y = x @ W^T for a few rows of x, W in bfloat16/float16, int8 (per-channel scale),
 #     grouped int4 (per-group scale and offset) or float8 (per-channel scale), the
 #     dequantization fused into the loads, optional split-K for narrow outputs; inputs of more
-#     rows (batches, short prompts of quantized weights) run as tl.dot row tiles;
+#     rows (batches, short prompts of quantized weights) run as tl.dot row tiles; the narrow
+#     one-row int4 shapes run on a Gluon kernel (Triton with explicit layouts) instead;
 #   - decode_attention: one query token against the KV cache, the sequence split across programs
 #     (flash-decoding) and only the filled part of the cache read; FusedBlock feeds it wqkv's
 #     output directly, and the kernel applies the rotary embedding and writes the cache too.
