@@ -622,22 +622,17 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_dp4a(a, b, c):
-        return gl.inline_asm_elementwise(
-            "dp4a.u32.s32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            [a, b, c],
-            dtype=gl.int32,
-            is_pure=True,
-            pack=1,
-        )
+        asm: gl.constexpr = "dp4a.u32.s32 $0, $1, $2, $3;"
+        return gl.inline_asm_elementwise(asm, "=r,r,r,r", [a, b, c], gl.int32, True, 1)
 
     @gluon.jit
     def _gl_round_bits(v):
         # v + 1.5 * 2^23 rounded to nearest even: the integer round(v) sits in the low mantissa
         # bits (|v| < 2^22). An add of its own, so it cannot fuse with the product before it.
-        return gl.inline_asm_elementwise(
-            "add.rn.f32 $0, $1, 0f4B400000;", "=f,f", [v], dtype=gl.float32, is_pure=True, pack=1
-        ).to(gl.int32, bitcast=True)
+        asm: gl.constexpr = "add.rn.f32 $0, $1, 0f4B400000;"
+        return gl.inline_asm_elementwise(asm, "=f,f", [v], gl.float32, True, 1).to(
+            gl.int32, bitcast=True
+        )
 
     @gluon.jit
     def _gl_split4(v):
@@ -650,38 +645,26 @@ if gluon is not None:
     @gluon.jit
     def _gl_pack_bytes(b0, b1, b2, b3):
         # byte 0 of each -> one word, b0 in byte 0
-        return gl.inline_asm_elementwise(
-            """{
+        asm: gl.constexpr = """{
             .reg .b32 lo, hi;
             prmt.b32 lo, $1, $2, 0x5140;
             prmt.b32 hi, $3, $4, 0x5140;
             prmt.b32 $0, lo, hi, 0x5410;
-            }""",
-            "=r,r,r,r,r",
-            [b0, b1, b2, b3],
-            dtype=gl.int32,
-            is_pure=True,
-            pack=1,
-        )
+            }"""
+        return gl.inline_asm_elementwise(asm, "=r,r,r,r,r", [b0, b1, b2, b3], gl.int32, True, 1)
 
     @gluon.jit
     def _gl_sigmoid(v):
         # 1 / (1 + 2^(-v log2 e)) on the approximate ex2 and rcp units (a few ulp): the exact
         # quotient's range checks were 8 instructions per value of x
-        return gl.inline_asm_elementwise(
-            """{
+        asm: gl.constexpr = """{
             .reg .f32 t;
             mul.f32 t, $1, 0fBFB8AA3B;
             ex2.approx.ftz.f32 t, t;
             add.f32 t, t, 0f3F800000;
             rcp.approx.ftz.f32 $0, t;
-            }""",
-            "=f,f",
-            [v],
-            dtype=gl.float32,
-            is_pure=True,
-            pack=1,
-        )
+            }"""
+        return gl.inline_asm_elementwise(asm, "=f,f", [v], gl.float32, True, 1)
 
     @gluon.jit
     def _gl_reciprocal(a):
