@@ -689,6 +689,21 @@ if gluon is not None:
         )
 
     @gluon.jit
+    def _gl_load_x(x_ptr, x_off, ok, nw_ptr, K, ss, NORM: gl.constexpr, GLU: gl.constexpr):
+        # The GEMV's input [NB, ...] with its prologue, as _load_x: x, or silu(gate) * up, or x *
+        # norm_weight with x's squares summed over its last two dimensions into ss [NB]
+        if GLU:
+            gate = gl.load(x_ptr + x_off, mask=ok, other=0).to(gl.float32)
+            up = gl.load(x_ptr + x_off + K, mask=ok, other=0).to(gl.float32)
+            xv = gate * _gl_sigmoid(gate) * up
+        else:
+            xv = gl.load(x_ptr + x_off, mask=ok, other=0).to(gl.float32)
+        if NORM:
+            ss += gl.sum(gl.sum(xv * xv, axis=2), axis=1)
+            xv = xv * gl.load(nw_ptr + x_off, mask=ok, other=0).to(gl.float32)
+        return xv, ss
+
+    @gluon.jit
     def _int4_row_gluon(
         x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn, stride_sn,
         G: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
@@ -752,16 +767,7 @@ if gluon is not None:
             # x: this thread's block of 32, with the prologue, rounded to int8 like
             # activation_int8_reference
             xb_ok = gl.expand_dims(gl.expand_dims(k0 + xb * 32 < K, 1), 2)
-            x_off = k0 + x_in
-            if GLU:
-                gate = gl.load(x_ptr + x_off, mask=xb_ok, other=0).to(gl.float32)
-                up = gl.load(x_ptr + x_off + K, mask=xb_ok, other=0).to(gl.float32)
-                xv = gate * _gl_sigmoid(gate) * up
-            else:
-                xv = gl.load(x_ptr + x_off, mask=xb_ok, other=0).to(gl.float32)
-            if NORM:
-                ss += gl.sum(gl.sum(xv * xv, axis=2), axis=1)
-                xv = xv * gl.load(nw_ptr + x_off, mask=xb_ok, other=0).to(gl.float32)
+            xv, ss = _gl_load_x(x_ptr, k0 + x_in, xb_ok, nw_ptr, K, ss, NORM, GLU)
             amax = gl.max(gl.max(gl.abs(xv), axis=2), axis=1)  # [NB]
             inv = 127.0 * _gl_reciprocal(gl.maximum(amax, 1e-30))
             bits = _gl_round_bits(xv * gl.expand_dims(gl.expand_dims(inv, 1), 2))  # [NB, 4, 8]
@@ -798,6 +804,102 @@ if gluon is not None:
             s = s_next
             z = z_next
         out = gl.sum(acc, axis=1)  # [BN]
+        if NORM:
+            out = out * gl.rsqrt(gl.sum(ss, axis=0) / K + eps)
+        if RESIDUAL:
+            out += res
+        gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+    @gluon.jit
+    def _gl_int8_floats(w):
+        # an int32 word of 4 int8 -> 4 float32 1 + (q_t + 128) / 2^15, as _int8_word_floats
+        asm: gl.constexpr = """{
+            .reg .b32 t;
+            xor.b32 t, $4, 0x80808080;
+            prmt.b32 $0, t, 0x3F800000, 0x7604;
+            prmt.b32 $1, t, 0x3F800000, 0x7614;
+            prmt.b32 $2, t, 0x3F800000, 0x7624;
+            prmt.b32 $3, t, 0x3F800000, 0x7634;
+            }"""
+        return gl.inline_asm_elementwise(
+            asm, "=r,=r,=r,=r,r", [w], (gl.float32, gl.float32, gl.float32, gl.float32), True, 1
+        )
+
+    @gluon.jit
+    def _int8_row_gluon(
+        x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn,
+        NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
+        BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+    ):  # fmt: skip
+        # One row against int8 rows (per-row scales), the layouts as in _int4_row_gluon: each
+        # thread owns one block of 16 k, its 4 weight words (16 bytes) of every row and the same
+        # 16 values of x, so the loop moves no data between threads. The arithmetic is
+        # _int8_words': each byte ORed into the mantissa of 1.0 and one FMA per weight.
+        # K is a whole number of blocks of 16.
+        NB: gl.constexpr = 32 * NUM_WARPS  # blocks of 16 k per step: one per thread
+        BLOCK_K: gl.constexpr = 16 * NB
+        # weights [BLOCK_N, NB, 4] int32 words: thread (warp v, lane l) holds block 32v + l
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [1, NUM_WARPS, 1], [2, 1, 0])
+        LQ: gl.constexpr = gl.SliceLayout(2, L3)  # [BLOCK_N, NB]
+        # x [NB, 4 (word), 4 (byte)]: the same thread holds the same block's 16 values
+        X3: gl.constexpr = gl.BlockedLayout([1, 4, 4], [32, 1, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
+        XB: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, X3))  # [NB]
+        pid = gl.program_id(0)
+        if PDL:
+            _gl_pdl_launch()
+        rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LQ))  # [BN]
+        n_ok = rn < N
+        rb = gl.arange(0, NB, layout=gl.SliceLayout(0, LQ))  # [NB]
+        rb3 = gl.expand_dims(gl.expand_dims(rb, 0), 2)  # [1, NB, 1]
+        rt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        rt3 = gl.expand_dims(gl.expand_dims(rt, 0), 1)  # [1, 1, 4]
+        w_rows = w_ptr + gl.expand_dims(gl.expand_dims(rn, 1), 2) * stride_wn + rb3 * 4 + rt3
+        n_ok3 = gl.expand_dims(gl.expand_dims(n_ok, 1), 2)
+        xb = gl.arange(0, NB, layout=XB)
+        xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X3)))
+        xi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
+        x_in = (
+            gl.expand_dims(gl.expand_dims(xb * 16, 1), 2)
+            + gl.expand_dims(gl.expand_dims(xt * 4, 0), 2)
+            + gl.expand_dims(gl.expand_dims(xi, 0), 1)
+        )  # [NB, 4, 4]
+
+        # The first step's weights do not depend on the kernel before: they load before the wait.
+        w = gl.load(w_rows, mask=n_ok3 & (rb3 * 16 < K), other=0)
+        if PDL:
+            _gl_pdl_wait()
+        if RESIDUAL:
+            res = gl.load(r_ptr + rn, mask=n_ok, other=0).to(gl.float32)
+        WL: gl.constexpr = _gl_split4(w)[0].type.layout  # a word of each row and block
+        acc = gl.zeros([BLOCK_N, NB], gl.float32, WL)
+        xs = gl.zeros([NB], gl.float32, XB)  # sum of x'
+        ss = gl.zeros([NB], gl.float32, XB)
+        for k0 in range(0, K, BLOCK_K):
+            k1 = k0 + BLOCK_K  # the next step's weights, in flight while this one computes
+            w_next = gl.load(w_rows + k1 // 4, mask=n_ok3 & (k1 + rb3 * 16 < K), other=0)
+            xb_ok = gl.expand_dims(gl.expand_dims(k0 + xb * 16 < K, 1), 2)
+            xv, ss = _gl_load_x(x_ptr, k0 + x_in, xb_ok, nw_ptr, K, ss, NORM, GLU)
+            xs += gl.sum(gl.sum(xv, axis=2), axis=1)
+            # x' = x * 2^15 by byte, then by word: x_i[t] is k = 4t + i of the block
+            x0, x1, x2, x3 = _gl_split4(xv * 32768.0)  # [NB, 4 (t)]
+            x0 = _gl_split4(x0)
+            x1 = _gl_split4(x1)
+            x2 = _gl_split4(x2)
+            x3 = _gl_split4(x3)
+            w_t = _gl_split4(w)  # 4 x [BN, NB]
+            XL: gl.constexpr = gl.SliceLayout(0, WL)
+            for t in gl.static_range(4):
+                v0, v1, v2, v3 = _gl_int8_floats(w_t[t])
+                acc += v0 * gl.expand_dims(gl.convert_layout(x0[t], XL), 0)
+                acc += v1 * gl.expand_dims(gl.convert_layout(x1[t], XL), 0)
+                acc += v2 * gl.expand_dims(gl.convert_layout(x2[t], XL), 0)
+                acc += v3 * gl.expand_dims(gl.convert_layout(x3[t], XL), 0)
+            w = w_next
+        # sum(v * x') = 2^15 sum(x) + sum((q + 128) x)
+        acc = gl.convert_layout(acc, LQ, assert_trivial=True)
+        out = gl.sum(acc, axis=1) - (32768.0 + 128.0) * gl.sum(xs, axis=0)  # [BN]
+        out = out * gl.load(s_ptr + rn, mask=n_ok, other=0).to(gl.float32)
         if NORM:
             out = out * gl.rsqrt(gl.sum(ss, axis=0) / K + eps)
         if RESIDUAL:
@@ -993,11 +1095,16 @@ def _gemv_launch(
         cfg = dict(config or gemv_config(fmt, 1, N, K, groupsize, experts=M))
     else:
         cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
-    # GLUON (rows, warps): the Gluon kernel instead, for one row of int4 on CUDA (not in
-    # Triton's interpreter, which has no Gluon), without bias
+    aligned = (
+        weight.shape[-1] % 4 == 0 and weight.stride(-1) == 1 and weight.storage_offset() % 4 == 0
+    )
+    # GLUON (rows, warps): a Gluon kernel instead, for one row of int4 or int8 (word-aligned, K
+    # a whole number of blocks of 16) on CUDA (not in Triton's interpreter, which has no
+    # Gluon), without bias
     gl_cfg = cfg.pop("GLUON", None)
     if not (
-        gl_cfg and gluon is not None and fmt == INT4 and M == 1 and not experts and bias is None
+        gl_cfg and gluon is not None and M == 1 and not experts and bias is None
+        and (fmt == INT4 or (fmt == INT8 and K % 16 == 0 and aligned))
         and x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
     ):  # fmt: skip
         gl_cfg = None
@@ -1013,9 +1120,6 @@ def _gemv_launch(
     # STAGES: how many K steps the loop keeps loading ahead (cp.async into shared memory);
     # a plain loop (1) for the row tiles, whose tl.dot loads Triton pipelines by num_stages.
     stages = cfg.pop("STAGES", 1 if cfg["BLOCK_M"] == 1 else cfg["num_stages"])
-    aligned = (
-        weight.shape[-1] % 4 == 0 and weight.stride(-1) == 1 and weight.storage_offset() % 4 == 0
-    )
     if words is None:  # one row and a word-aligned quantized weight: the 32-bit-word path
         words = fmt in (INT8, INT4) and cfg["BLOCK_M"] == 1 and aligned
     if fmt == INT4 and cfg["BLOCK_M"] == 1 and not (words and aligned):
@@ -1027,6 +1131,16 @@ def _gemv_launch(
     words = int(words) * (1 if os.environ.get("TRITON_INTERPRET") == "1" else 2)
     if words:
         weight = weight.view(torch.int32)  # [N, K/4] for int8, [N, K/8] for int4
+    if gl_cfg and fmt == INT8:
+        block_n, warps = gl_cfg
+        weight = weight.view(torch.int32)
+        _int8_row_gluon[(triton.cdiv(N, block_n),)](
+            x2, weight, scales, norm_weight if norm_weight is not None else y, r2, y, N, K, eps,
+            weight.stride(-2), NORM=norm_weight is not None, GLU=glu,
+            RESIDUAL=residual is not None, BLOCK_N=block_n, NUM_WARPS=warps, num_warps=warps,
+            **dependent_launch(x),
+        )  # fmt: skip
+        return y.reshape(*x.shape[:-1], N)
     if gl_cfg:
         block_n, warps = gl_cfg
         _int4_row_gluon[(triton.cdiv(N, block_n),)](

@@ -70,27 +70,29 @@ def test_gemv_matches_reference(fmt, rows, split_k, stages):
 
 @pytest.mark.skipif(not GPU or kernels.gluon is None, reason="Gluon kernels run on CUDA only")
 @pytest.mark.parametrize("fusion", ["none", "norm", "glu"])
-@pytest.mark.parametrize("groupsize", [32, 128])
+@pytest.mark.parametrize("fmt, groupsize", [("int4", 32), ("int4", 128), ("int8", 0)])
 @pytest.mark.parametrize("block_n, warps", [(4, 2), (8, 4), (16, 8)])
-def test_gluon_int4_row_matches_reference(fusion, groupsize, block_n, warps):
-    # The Gluon one-row int4 GEMV: odd row counts, K not a whole number of steps (1024 k per
-    # warp), the layer fusions, poisoned outputs.
+def test_gluon_row_matches_reference(fusion, fmt, groupsize, block_n, warps):
+    # The Gluon one-row int4 and int8 GEMVs: odd row counts, K not a whole number of steps
+    # (1024 k per warp for int4, 512 for int8), the layer fusions, poisoned outputs. int8 with
+    # K not a multiple of 16 (260) takes the Triton kernel.
     torch.manual_seed(block_n + warps + groupsize)
-    for N, K in [(37, 256), (129, 384), (4096, 4096), (4096, 11008), (12288, 4096)]:
-        w = make(kernels.INT4, N, K, groupsize)
+    shapes = [(37, 256), (129, 384), (4096, 4096), (4096, 11008), (12288, 4096)]
+    for N, K in shapes + ([(37, 272), (37, 260)] if fmt == "int8" else []):
+        w = make(FMTS[fmt], N, K, groupsize)
         x = torch.randn(1, 2 * K if fusion == "glu" else K, device=DEVICE, dtype=torch.bfloat16)
         fused = dict(residual=torch.randn(1, N, device=DEVICE, dtype=torch.bfloat16))
         if fusion == "norm":
             fused = dict(norm_weight=torch.rand(K, device=DEVICE) + 0.5, eps=1e-5)
         elif fusion == "glu":
             fused["glu"] = True
-        ref = kernels.gemv_reference(x.float(), fmt=kernels.INT4, **w, **fused)
-        cfg = dict(kernels.gemv_config(kernels.INT4, 1, N, K, groupsize), GLUON=(block_n, warps))
+        ref = kernels.gemv_reference(x.float(), fmt=FMTS[fmt], **w, **fused)
+        cfg = dict(kernels.gemv_config(FMTS[fmt], 1, N, K, groupsize), GLUON=(block_n, warps))
         poison()
-        got = kernels.gemv(x, fmt=kernels.INT4, config=cfg, **w, **fused)
+        got = kernels.gemv(x, fmt=FMTS[fmt], config=cfg, **w, **fused)
         assert got.dtype == torch.bfloat16 and got.shape == (1, N)
-        # x is rounded to int8 as the reference rounds it; what differs is the order of the
-        # float32 sums and the final rounding to bfloat16
+        # int4: x is rounded to int8 as the reference rounds it; what differs is the order of
+        # the float32 sums and the final rounding to bfloat16
         tol = 1e-2
         torch.testing.assert_close(got.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
