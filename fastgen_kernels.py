@@ -810,7 +810,6 @@ if gluon is not None:
             out += res
         gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
 
-
     @gluon.jit
     def _gl_int8_floats(w):
         # an int32 word of 4 int8 -> 4 float32 1 + (q_t + 128) / 2^15, as _int8_word_floats
