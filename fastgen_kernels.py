@@ -905,6 +905,73 @@ if gluon is not None:
             out += res
         gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
 
+    @gluon.jit
+    def _float_row_gluon(
+        x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn,
+        FP8: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
+        VEC: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+    ):  # fmt: skip
+        # One row against float rows (bfloat16, float16, float32, or float8 bytes with per-row
+        # scales), the layouts as in _int4_row_gluon: each thread owns one block of VEC k (16
+        # bytes of each row) and the same VEC values of x, and keeps a float32 sum per weight
+        # it reads, so the loop moves no data between threads. K is a whole number of blocks.
+        NB: gl.constexpr = 32 * NUM_WARPS  # blocks of VEC k per step: one per thread
+        BLOCK_K: gl.constexpr = VEC * NB
+        # weights [BLOCK_N, NB, VEC]: thread (warp v, lane l) holds block 32v + l of every row
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32, 1], [1, NUM_WARPS, 1], [2, 1, 0])
+        # x [NB, 2, VEC / 2], the same block in the same thread (3 dimensions for _gl_load_x)
+        X3: gl.constexpr = gl.BlockedLayout(
+            [1, 2, VEC // 2], [32, 1, 1], [NUM_WARPS, 1, 1], [2, 1, 0]
+        )
+        XB: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, X3))  # [NB]
+        pid = gl.program_id(0)
+        if PDL:
+            _gl_pdl_launch()
+        LN: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
+        rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=LN)  # [BN]
+        n_ok = rn < N
+        rb = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        rb3 = gl.expand_dims(gl.expand_dims(rb, 0), 2)  # [1, NB, 1]
+        rv = gl.arange(0, VEC, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        rv3 = gl.expand_dims(gl.expand_dims(rv, 0), 1)  # [1, 1, VEC]
+        w_rows = w_ptr + gl.expand_dims(gl.expand_dims(rn, 1), 2) * stride_wn + rb3 * VEC + rv3
+        n_ok3 = gl.expand_dims(gl.expand_dims(n_ok, 1), 2)
+        xb = gl.arange(0, NB, layout=XB)
+        xh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, X3)))
+        xi = gl.arange(0, VEC // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
+        x_in = (
+            gl.expand_dims(gl.expand_dims(xb * VEC, 1), 2)
+            + gl.expand_dims(gl.expand_dims(xh * (VEC // 2), 0), 2)
+            + gl.expand_dims(gl.expand_dims(xi, 0), 1)
+        )  # [NB, 2, VEC / 2]
+
+        # The first step's weights do not depend on the kernel before: they load before the wait.
+        w = gl.load(w_rows, mask=n_ok3 & (rb3 * VEC < K), other=0)
+        if PDL:
+            _gl_pdl_wait()
+        if RESIDUAL:
+            res = gl.load(r_ptr + rn, mask=n_ok, other=0).to(gl.float32)
+        acc = gl.zeros([BLOCK_N, NB, VEC], gl.float32, L3)
+        ss = gl.zeros([NB], gl.float32, XB)
+        for k0 in range(0, K, BLOCK_K):
+            k1 = k0 + BLOCK_K  # the next step's weights, in flight while this one computes
+            w_next = gl.load(w_rows + k1, mask=n_ok3 & (k1 + rb3 * VEC < K), other=0)
+            xb_ok = gl.expand_dims(gl.expand_dims(k0 + xb * VEC < K, 1), 2)
+            xv, ss = _gl_load_x(x_ptr, k0 + x_in, xb_ok, nw_ptr, K, ss, NORM, GLU)
+            xv = gl.convert_layout(gl.reshape(xv, [NB, VEC]), gl.SliceLayout(0, L3))
+            if FP8:
+                w = w.to(gl.float8e4nv, bitcast=True)
+            acc += w.to(gl.float32) * gl.expand_dims(xv, 0)
+            w = w_next
+        out = gl.sum(gl.sum(acc, axis=2), axis=1)  # [BN]
+        if FP8:
+            out = out * gl.load(s_ptr + rn, mask=n_ok, other=0).to(gl.float32)
+        if NORM:
+            out = out * gl.rsqrt(gl.sum(ss, axis=0) / K + eps)
+        if RESIDUAL:
+            out += res
+        gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+
 
 def dependent_launch(x: Tensor) -> dict:
     # The launch arguments for _dependent_launch: on for CUDA devices of compute capability 9
@@ -1094,20 +1161,14 @@ def _gemv_launch(
         cfg = dict(config or gemv_config(fmt, 1, N, K, groupsize, experts=M))
     else:
         cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
-    aligned = (
-        weight.shape[-1] % 4 == 0 and weight.stride(-1) == 1 and weight.storage_offset() % 4 == 0
-    )
-    # GLUON (rows, warps): a Gluon kernel instead, for one row of int4 or int8 (word-aligned, K
-    # a whole number of blocks of 16) on CUDA (not in Triton's interpreter, which has no
-    # Gluon), without bias
+    # GLUON (rows, warps): a Gluon kernel instead, where one takes the shape
     gl_cfg = cfg.pop("GLUON", None)
-    if not (
-        gl_cfg and gluon is not None and M == 1 and not experts and bias is None
-        and (fmt == INT4 or (fmt == INT8 and K % 16 == 0 and aligned))
-        and x.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-    ):  # fmt: skip
-        gl_cfg = None
-    split_k = 1 if gl_cfg else cfg["SPLIT_K"]
+    if gl_cfg and M == 1 and not experts and bias is None:
+        args = (x2, weight, fmt, scales, zeros, groupsize, norm_weight, eps, glu, residual)
+        y = _gluon_row_launch(*args, block_n=gl_cfg[0], warps=gl_cfg[1])
+        if y is not None:
+            return y.reshape(*x.shape[:-1], N)
+    split_k = cfg["SPLIT_K"]
     if split_k > 1:
         y = torch.zeros(M, N, device=x.device, dtype=torch.float32)
     else:
@@ -1115,6 +1176,9 @@ def _gemv_launch(
     r2 = residual.reshape(M, N) if residual is not None else y
     if weight.dtype == torch.float8_e4m3fn:
         weight = weight.view(torch.uint8)
+    aligned = (
+        weight.shape[-1] % 4 == 0 and weight.stride(-1) == 1 and weight.storage_offset() % 4 == 0
+    )
     words = cfg.pop("WORDS", None)
     # STAGES: how many K steps the loop keeps loading ahead (cp.async into shared memory);
     # a plain loop (1) for the row tiles, whose tl.dot loads Triton pipelines by num_stages.
@@ -1130,26 +1194,6 @@ def _gemv_launch(
     words = int(words) * (1 if os.environ.get("TRITON_INTERPRET") == "1" else 2)
     if words:
         weight = weight.view(torch.int32)  # [N, K/4] for int8, [N, K/8] for int4
-    if gl_cfg and fmt == INT8:
-        block_n, warps = gl_cfg
-        weight = weight.view(torch.int32)
-        _int8_row_gluon[(triton.cdiv(N, block_n),)](
-            x2, weight, scales, norm_weight if norm_weight is not None else y, r2, y, N, K, eps,
-            weight.stride(-2), NORM=norm_weight is not None, GLU=glu,
-            RESIDUAL=residual is not None, BLOCK_N=block_n, NUM_WARPS=warps, num_warps=warps,
-            **dependent_launch(x),
-        )  # fmt: skip
-        return y.reshape(*x.shape[:-1], N)
-    if gl_cfg:
-        block_n, warps = gl_cfg
-        _int4_row_gluon[(triton.cdiv(N, block_n),)](
-            x2, weight, scales, zeros,
-            norm_weight if norm_weight is not None else y,
-            r2, y, N, K, eps, weight.stride(-2), scales.stride(-2),
-            G=groupsize, NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None,
-            BLOCK_N=block_n, NUM_WARPS=warps, num_warps=warps, **dependent_launch(x),
-        )  # fmt: skip
-        return y.reshape(*x.shape[:-1], N)
     # int4's scales are per group ([.., N, groups]); int8's and fp8's per row need no stride
     stride_sn = scales.stride(-2) if scales is not None and scales.dim() > 1 else 0
     # int4 one-row: scales load in runs of SG groups, SG dividing a row's groups and a step's
@@ -1180,6 +1224,58 @@ def _gemv_launch(
     if experts:
         return y.to(x.dtype)  # [M, N]
     return y.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
+def _gluon_row_launch(
+    x: Tensor,
+    weight: Tensor,
+    fmt: int,
+    scales: Tensor | None,
+    zeros: Tensor | None,
+    groupsize: int,
+    norm_weight: Tensor | None,
+    eps: float,
+    glu: bool,
+    residual: Tensor | None,
+    block_n: int,
+    warps: int,
+) -> Tensor | None:
+    # One row x [1, K] on a Gluon kernel, block_n rows and `warps` warps per program -> y [1,
+    # N], or None where none takes it: Gluon missing, not CUDA, Triton's interpreter (it has no
+    # Gluon), or weights not in whole 16-byte blocks of the row (int8 and float: K a multiple
+    # of the block, rows contiguous and 16-byte aligned).
+    if gluon is None or x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    N, row_bytes = weight.shape[-2], weight.shape[-1] * weight.element_size()
+    K = x.shape[-1] // (2 if glu else 1)
+    if fmt != INT4 and not (
+        row_bytes % 16 == 0 and weight.stride(-1) == 1
+        and (weight.stride(-2) * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0
+    ):  # fmt: skip
+        return None
+    y = torch.empty(1, N, device=x.device, dtype=x.dtype)
+    fused = dict(NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None)
+    fused.update(BLOCK_N=block_n, NUM_WARPS=warps, num_warps=warps, **dependent_launch(x))
+    nw = norm_weight if norm_weight is not None else y
+    r = residual.reshape(1, N) if residual is not None else y
+    grid = (triton.cdiv(N, block_n),)
+    if fmt == INT4:
+        w = weight.view(torch.int32)
+        _int4_row_gluon[grid](
+            x, w, scales, zeros, nw, r, y, N, K, eps, w.stride(-2), scales.stride(-2),
+            G=groupsize, **fused,
+        )  # fmt: skip
+    elif fmt == INT8:
+        w = weight.view(torch.int32)
+        _int8_row_gluon[grid](x, w, scales, nw, r, y, N, K, eps, w.stride(-2), **fused)
+    else:  # float, or float8 as its bytes with row scales
+        w = weight.view(torch.uint8) if fmt == FP8 else weight
+        vec = 16 // w.element_size()
+        s = scales if fmt == FP8 else y
+        _float_row_gluon[grid](
+            x, w, s, nw, r, y, N, K, eps, w.stride(-2), FP8=fmt == FP8, VEC=vec, **fused
+        )  # fmt: skip
+    return y
 
 
 if triton is not None:

@@ -750,9 +750,9 @@ def sweep_configs(fmt, N, K, groupsize=32, experts=0):
                 if s != default["STAGES"] or "GLUON" in default]  # fmt: skip
     if fmt == kernels.INT8:  # one-row int4 has the word path only
         configs.append(dict(triton_default, WORDS=False))
-    if fmt in (kernels.INT4, kernels.INT8) and not experts and kernels.gluon is not None:
-        # the Gluon kernels: rows per program, and warps (each warp 1024 k per step for int4,
-        # 512 for int8)
+    if not experts and kernels.gluon is not None:
+        # the Gluon kernels: rows per program, and warps (each warp 512 bytes of a row per
+        # step: 1024 k for int4, 512 for int8, 256 for bfloat16)
         for rows_warps in [(4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4)]:
             configs.append(dict(triton_default, GLUON=rows_warps))
     for bn, bk, warps in grid:

@@ -70,16 +70,21 @@ def test_gemv_matches_reference(fmt, rows, split_k, stages):
 
 @pytest.mark.skipif(not GPU or kernels.gluon is None, reason="Gluon kernels run on CUDA only")
 @pytest.mark.parametrize("fusion", ["none", "norm", "glu"])
-@pytest.mark.parametrize("fmt, groupsize", [("int4", 32), ("int4", 128), ("int8", 0)])
+@pytest.mark.parametrize(
+    "fmt, groupsize",
+    [("int4", 32), ("int4", 128), ("int8", 0), ("bf16", 0), ("float", 0), ("fp8", 0)],
+)
 @pytest.mark.parametrize("block_n, warps", [(4, 2), (8, 4), (16, 8)])
 def test_gluon_row_matches_reference(fusion, fmt, groupsize, block_n, warps):
-    # The Gluon one-row int4 and int8 GEMVs: odd row counts, K not a whole number of steps
-    # (1024 k per warp for int4, 512 for int8), the layer fusions, poisoned outputs. int8 with
-    # K not a multiple of 16 (260) takes the Triton kernel.
+    # The Gluon one-row GEMVs: odd row counts, K not a whole number of steps (per warp: 1024 k
+    # for int4, 512 for int8, 256 for bfloat16...), the layer fusions, poisoned outputs. Rows
+    # not in whole 16-byte blocks (K = 260: int8 and bfloat16) take the Triton kernel.
     torch.manual_seed(block_n + warps + groupsize)
     shapes = [(37, 256), (129, 384), (4096, 4096), (4096, 11008), (12288, 4096)]
-    for N, K in shapes + ([(37, 272), (37, 260)] if fmt == "int8" else []):
-        w = make(FMTS[fmt], N, K, groupsize)
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    fmt = "float" if fmt == "bf16" else fmt
+    for N, K in shapes + ([(37, 272), (37, 260)] if fmt != "int4" else []):
+        w = make(FMTS[fmt], N, K, groupsize, dtype)
         x = torch.randn(1, 2 * K if fusion == "glu" else K, device=DEVICE, dtype=torch.bfloat16)
         fused = dict(residual=torch.randn(1, N, device=DEVICE, dtype=torch.bfloat16))
         if fusion == "norm":
