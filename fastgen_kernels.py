@@ -704,6 +704,35 @@ if gluon is not None:
         return xv, ss
 
     @gluon.jit
+    def _gl_grid3(A: gl.constexpr, B: gl.constexpr, C: gl.constexpr, L: gl.constexpr):
+        # the indices of an [A, B, C] tensor of layout L along each dimension: [A, 1, 1],
+        # [1, B, 1], [1, 1, C]
+        a = gl.arange(0, A, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        b = gl.arange(0, B, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+        c = gl.arange(0, C, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+        a3 = gl.expand_dims(gl.expand_dims(a, 1), 2)
+        return a3, gl.expand_dims(gl.expand_dims(b, 0), 2), gl.expand_dims(gl.expand_dims(c, 0), 1)
+
+    @gluon.jit
+    def _gl_weight_rows(
+        w_ptr, stride_wn, N, BLOCK_N: gl.constexpr, V: gl.constexpr, L3: gl.constexpr
+    ):
+        # A program's first step of weights [BLOCK_N, NB, V] (layout L3): row rn, block b,
+        # element v at w_ptr + rn * stride_wn + V * b + v -> (pointers, row in range [BN, 1, 1],
+        # the blocks [1, NB, 1])
+        NB: gl.constexpr = L3.warps_per_cta[1] * 32
+        rn3, rb3, rv3 = _gl_grid3(BLOCK_N, NB, V, L3)
+        rn3 += gl.program_id(0) * BLOCK_N
+        return w_ptr + rn3 * stride_wn + rb3 * V + rv3, rn3 < N, rb3
+
+    @gluon.jit
+    def _gl_x_offsets(NB: gl.constexpr, A: gl.constexpr, B: gl.constexpr, X3: gl.constexpr):
+        # offsets of x [NB, A, B] (layout X3) within a step: blocks of A * B k -> (offsets,
+        # the blocks [NB, 1, 1])
+        xb3, xa3, xi3 = _gl_grid3(NB, A, B, X3)
+        return xb3 * (A * B) + xa3 * B + xi3, xb3
+
+    @gluon.jit
     def _int4_row_gluon(
         x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn, stride_sn,
         G: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
@@ -723,24 +752,11 @@ if gluon is not None:
             _gl_pdl_launch()
         rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LQ))  # [BN]
         n_ok = rn < N
-        rn3 = gl.expand_dims(gl.expand_dims(rn, 1), 2)  # [BN, 1, 1]
         rb = gl.arange(0, NB, layout=gl.SliceLayout(0, LQ))  # [NB]
-        rb3 = gl.expand_dims(gl.expand_dims(rb, 0), 2)  # [1, NB, 1]
-        rt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-        rt3 = gl.expand_dims(gl.expand_dims(rt, 0), 1)  # [1, 1, 4]
-        w_rows = w_ptr + rn3 * stride_wn + rb3 * 4 + rt3
-        n_ok3 = gl.expand_dims(gl.expand_dims(n_ok, 1), 2)
+        w_rows, n_ok3, rb3 = _gl_weight_rows(w_ptr, stride_wn, N, BLOCK_N, 4, L3)
         s_rows = gl.expand_dims(rn, 1) * stride_sn  # [BN, 1]
         n_ok2 = gl.expand_dims(n_ok, 1)
-        # x offsets within a step
-        xb = gl.arange(0, NB, layout=XB)
-        xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X3)))
-        xi = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
-        x_in = (
-            gl.expand_dims(gl.expand_dims(xb * 32, 1), 2)
-            + gl.expand_dims(gl.expand_dims(xt * 8, 0), 2)
-            + gl.expand_dims(gl.expand_dims(xi, 0), 1)
-        )  # [NB, 4, 8]
+        x_in, xb3 = _gl_x_offsets(NB, 4, 8, X3)  # [NB, 4, 8]
 
         # The first step's weights do not depend on the kernel before: they load before the wait.
         b_ok3 = rb3 * 32 < K
@@ -766,8 +782,7 @@ if gluon is not None:
             z_next = gl.load(z_ptr + g1_off, mask=sg1_ok, other=0)
             # x: this thread's block of 32, with the prologue, rounded to int8 like
             # activation_int8_reference
-            xb_ok = gl.expand_dims(gl.expand_dims(k0 + xb * 32 < K, 1), 2)
-            xv, ss = _gl_load_x(x_ptr, k0 + x_in, xb_ok, nw_ptr, K, ss, NORM, GLU)
+            xv, ss = _gl_load_x(x_ptr, k0 + x_in, k0 + xb3 * 32 < K, nw_ptr, K, ss, NORM, GLU)
             amax = gl.max(gl.max(gl.abs(xv), axis=2), axis=1)  # [NB]
             inv = 127.0 * _gl_reciprocal(gl.maximum(amax, 1e-30))
             bits = _gl_round_bits(xv * gl.expand_dims(gl.expand_dims(inv, 1), 2))  # [NB, 4, 8]
@@ -849,20 +864,8 @@ if gluon is not None:
             _gl_pdl_launch()
         rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LQ))  # [BN]
         n_ok = rn < N
-        rb = gl.arange(0, NB, layout=gl.SliceLayout(0, LQ))  # [NB]
-        rb3 = gl.expand_dims(gl.expand_dims(rb, 0), 2)  # [1, NB, 1]
-        rt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-        rt3 = gl.expand_dims(gl.expand_dims(rt, 0), 1)  # [1, 1, 4]
-        w_rows = w_ptr + gl.expand_dims(gl.expand_dims(rn, 1), 2) * stride_wn + rb3 * 4 + rt3
-        n_ok3 = gl.expand_dims(gl.expand_dims(n_ok, 1), 2)
-        xb = gl.arange(0, NB, layout=XB)
-        xt = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, X3)))
-        xi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
-        x_in = (
-            gl.expand_dims(gl.expand_dims(xb * 16, 1), 2)
-            + gl.expand_dims(gl.expand_dims(xt * 4, 0), 2)
-            + gl.expand_dims(gl.expand_dims(xi, 0), 1)
-        )  # [NB, 4, 4]
+        w_rows, n_ok3, rb3 = _gl_weight_rows(w_ptr, stride_wn, N, BLOCK_N, 4, L3)
+        x_in, xb3 = _gl_x_offsets(NB, 4, 4, X3)  # [NB, 4, 4]
 
         # The first step's weights do not depend on the kernel before: they load before the wait.
         w = gl.load(w_rows, mask=n_ok3 & (rb3 * 16 < K), other=0)
@@ -877,8 +880,7 @@ if gluon is not None:
         for k0 in range(0, K, BLOCK_K):
             k1 = k0 + BLOCK_K  # the next step's weights, in flight while this one computes
             w_next = gl.load(w_rows + k1 // 4, mask=n_ok3 & (k1 + rb3 * 16 < K), other=0)
-            xb_ok = gl.expand_dims(gl.expand_dims(k0 + xb * 16 < K, 1), 2)
-            xv, ss = _gl_load_x(x_ptr, k0 + x_in, xb_ok, nw_ptr, K, ss, NORM, GLU)
+            xv, ss = _gl_load_x(x_ptr, k0 + x_in, k0 + xb3 * 16 < K, nw_ptr, K, ss, NORM, GLU)
             xs += gl.sum(gl.sum(xv, axis=2), axis=1)
             # x' = x * 2^15 by byte, then by word: x_i[t] is k = 4t + i of the block
             x0, x1, x2, x3 = _gl_split4(xv * 32768.0)  # [NB, 4 (t)]
@@ -927,23 +929,10 @@ if gluon is not None:
         pid = gl.program_id(0)
         if PDL:
             _gl_pdl_launch()
-        LN: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, L3))
-        rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=LN)  # [BN]
+        rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
         n_ok = rn < N
-        rb = gl.arange(0, NB, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-        rb3 = gl.expand_dims(gl.expand_dims(rb, 0), 2)  # [1, NB, 1]
-        rv = gl.arange(0, VEC, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-        rv3 = gl.expand_dims(gl.expand_dims(rv, 0), 1)  # [1, 1, VEC]
-        w_rows = w_ptr + gl.expand_dims(gl.expand_dims(rn, 1), 2) * stride_wn + rb3 * VEC + rv3
-        n_ok3 = gl.expand_dims(gl.expand_dims(n_ok, 1), 2)
-        xb = gl.arange(0, NB, layout=XB)
-        xh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, X3)))
-        xi = gl.arange(0, VEC // 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
-        x_in = (
-            gl.expand_dims(gl.expand_dims(xb * VEC, 1), 2)
-            + gl.expand_dims(gl.expand_dims(xh * (VEC // 2), 0), 2)
-            + gl.expand_dims(gl.expand_dims(xi, 0), 1)
-        )  # [NB, 2, VEC / 2]
+        w_rows, n_ok3, rb3 = _gl_weight_rows(w_ptr, stride_wn, N, BLOCK_N, VEC, L3)
+        x_in, xb3 = _gl_x_offsets(NB, 2, VEC // 2, X3)  # [NB, 2, VEC / 2]
 
         # The first step's weights do not depend on the kernel before: they load before the wait.
         w = gl.load(w_rows, mask=n_ok3 & (rb3 * VEC < K), other=0)
@@ -956,8 +945,7 @@ if gluon is not None:
         for k0 in range(0, K, BLOCK_K):
             k1 = k0 + BLOCK_K  # the next step's weights, in flight while this one computes
             w_next = gl.load(w_rows + k1, mask=n_ok3 & (k1 + rb3 * VEC < K), other=0)
-            xb_ok = gl.expand_dims(gl.expand_dims(k0 + xb * VEC < K, 1), 2)
-            xv, ss = _gl_load_x(x_ptr, k0 + x_in, xb_ok, nw_ptr, K, ss, NORM, GLU)
+            xv, ss = _gl_load_x(x_ptr, k0 + x_in, k0 + xb3 * VEC < K, nw_ptr, K, ss, NORM, GLU)
             xv = gl.convert_layout(gl.reshape(xv, [NB, VEC]), gl.SliceLayout(0, L3))
             if FP8:
                 w = w.to(gl.float8e4nv, bitcast=True)
