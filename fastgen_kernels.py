@@ -715,15 +715,15 @@ if gluon is not None:
 
     @gluon.jit
     def _gl_weight_rows(
-        w_ptr, stride_wn, N, BLOCK_N: gl.constexpr, V: gl.constexpr, L3: gl.constexpr
+        w_ptr, stride_wn, row0, BLOCK_N: gl.constexpr, V: gl.constexpr, L3: gl.constexpr
     ):
-        # A program's first step of weights [BLOCK_N, NB, V] (layout L3): row rn, block b,
-        # element v at w_ptr + rn * stride_wn + V * b + v -> (pointers, row in range [BN, 1, 1],
+        # The first step of weights [BLOCK_N, NB, V] (layout L3) from row row0: row rn, block b,
+        # element v at w_ptr + rn * stride_wn + V * b + v -> (pointers, the rows [BN, 1, 1],
         # the blocks [1, NB, 1])
         NB: gl.constexpr = L3.warps_per_cta[1] * 32
         rn3, rb3, rv3 = _gl_grid3(BLOCK_N, NB, V, L3)
-        rn3 += gl.program_id(0) * BLOCK_N
-        return w_ptr + rn3 * stride_wn + rb3 * V + rv3, rn3 < N, rb3
+        rn3 += row0
+        return w_ptr + rn3 * stride_wn + rb3 * V + rv3, rn3, rb3
 
     @gluon.jit
     def _gl_x_offsets(NB: gl.constexpr, A: gl.constexpr, B: gl.constexpr, X3: gl.constexpr):
@@ -731,6 +731,50 @@ if gluon is not None:
         # the blocks [NB, 1, 1])
         xb3, xa3, xi3 = _gl_grid3(NB, A, B, X3)
         return xb3 * (A * B) + xa3 * B + xi3, xb3
+
+    @gluon.jit
+    def _gl_x_int8_words(xv):
+        # x [NB, 4, 8] (a block of 32 k per thread) rounded to int8 like
+        # activation_int8_reference -> (4 x [NB] words of its even k, 4 x [NB] of its odd k, as
+        # the int4 weights' words hold them: k = 8t + 2i + c; max |x| [NB])
+        NB: gl.constexpr = xv.shape[0]
+        amax = gl.max(gl.max(gl.abs(xv), axis=2), axis=1)  # [NB]
+        inv = 127.0 * _gl_reciprocal(gl.maximum(amax, 1e-30))
+        bits = _gl_round_bits(xv * gl.expand_dims(gl.expand_dims(inv, 1), 2))  # [NB, 4, 8]
+        # byte 0 of bits is x_int8; 3 PRMT per word
+        x_even, x_odd = gl.split(gl.reshape(bits, [NB, 4, 4, 2]))  # [NB, 4 (t), 4 (i)]
+        e0, e1, e2, e3 = _gl_split4(x_even)
+        o0, o1, o2, o3 = _gl_split4(x_odd)
+        x_even = _gl_split4(_gl_pack_bytes(e0, e1, e2, e3))  # 4 x [NB], t = 0..3
+        return x_even, _gl_split4(_gl_pack_bytes(o0, o1, o2, o3)), amax
+
+    @gluon.jit
+    def _gl_int4_blocks(w, s, z, x_even, x_odd, amax, LQ: gl.constexpr):
+        # Weights w [BN, NB, 4] words (each thread a block of 32 k of every row), their groups'
+        # scales and offsets s, z [BN, NB] and _gl_x_int8_words' x -> [BN, NB] float32, each
+        # block's s * (sum q x - z sum x)
+        BN: gl.constexpr = w.shape[0]
+        NB: gl.constexpr = w.shape[1]
+        w_t = _gl_split4(w)  # 4 x [BN, NB]
+        WL: gl.constexpr = w_t[0].type.layout
+        ones = gl.full([1, NB], 0x01010101, gl.int32, WL)
+        qe = gl.zeros([BN, NB], gl.int32, WL)  # sum of the even nibbles times x_int8
+        qo = gl.zeros([BN, NB], gl.int32, WL)  # 16 times that, the odd nibbles
+        qsum = gl.zeros([1, NB], gl.int32, WL)  # sum of x_int8
+        for t in gl.static_range(4):
+            xe = gl.expand_dims(gl.convert_layout(x_even[t], gl.SliceLayout(0, WL)), 0)
+            xo = gl.expand_dims(gl.convert_layout(x_odd[t], gl.SliceLayout(0, WL)), 0)
+            # the odd nibbles masked in place are 16 times their value: no shift per word
+            qe = _gl_dp4a(w_t[t] & 0x0F0F0F0F, xe, qe)
+            qo = _gl_dp4a(w_t[t] & -252645136, xo, qo)  # 0xF0F0F0F0
+            qsum = _gl_dp4a(ones, xo, _gl_dp4a(ones, xe, qsum))
+        q = qe + (qo >> 4)  # [BN, NB], exact: qo is a multiple of 16
+        x_scale = gl.expand_dims(gl.convert_layout(amax * (1.0 / 127.0), gl.SliceLayout(0, WL)), 0)
+        xsum = qsum.to(gl.float32) * x_scale  # [1, NB]
+        qx = q.to(gl.float32) * x_scale
+        qx = gl.convert_layout(qx, LQ, assert_trivial=True)  # the same threads: no moves
+        xsum = gl.convert_layout(xsum, LQ, assert_trivial=True)
+        return s.to(gl.float32) * (qx - z.to(gl.float32) * xsum)
 
     @gluon.jit
     def _int4_row_gluon(
@@ -753,7 +797,8 @@ if gluon is not None:
         rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LQ))  # [BN]
         n_ok = rn < N
         rb = gl.arange(0, NB, layout=gl.SliceLayout(0, LQ))  # [NB]
-        w_rows, n_ok3, rb3 = _gl_weight_rows(w_ptr, stride_wn, N, BLOCK_N, 4, L3)
+        w_rows, rn3, rb3 = _gl_weight_rows(w_ptr, stride_wn, pid * BLOCK_N, BLOCK_N, 4, L3)
+        n_ok3 = rn3 < N
         s_rows = gl.expand_dims(rn, 1) * stride_sn  # [BN, 1]
         n_ok2 = gl.expand_dims(n_ok, 1)
         x_in, xb3 = _gl_x_offsets(NB, 4, 8, X3)  # [NB, 4, 8]
@@ -783,38 +828,8 @@ if gluon is not None:
             # x: this thread's block of 32, with the prologue, rounded to int8 like
             # activation_int8_reference
             xv, ss = _gl_load_x(x_ptr, k0 + x_in, k0 + xb3 * 32 < K, nw_ptr, K, ss, NORM, GLU)
-            amax = gl.max(gl.max(gl.abs(xv), axis=2), axis=1)  # [NB]
-            inv = 127.0 * _gl_reciprocal(gl.maximum(amax, 1e-30))
-            bits = _gl_round_bits(xv * gl.expand_dims(gl.expand_dims(inv, 1), 2))  # [NB, 4, 8]
-            # bytes of x as words like w's (k = 8t + 2i + c, c = 0 the even k), 3 PRMT each;
-            # byte 0 of bits is x_int8
-            x_even, x_odd = gl.split(gl.reshape(bits, [NB, 4, 4, 2]))  # [NB, 4 (t), 4 (i)]
-            e0, e1, e2, e3 = _gl_split4(x_even)
-            x_even = _gl_split4(_gl_pack_bytes(e0, e1, e2, e3))  # 4 x [NB], t = 0..3
-            o0, o1, o2, o3 = _gl_split4(x_odd)
-            x_odd = _gl_split4(_gl_pack_bytes(o0, o1, o2, o3))
-            w_t = _gl_split4(w)  # 4 x [BN, NB]
-            WL: gl.constexpr = w_t[0].type.layout
-            ones = gl.full([1, NB], 0x01010101, gl.int32, WL)
-            qe = gl.zeros([BLOCK_N, NB], gl.int32, WL)  # sum of the even nibbles times x_int8
-            qo = gl.zeros([BLOCK_N, NB], gl.int32, WL)  # 16 times that, the odd nibbles
-            qsum = gl.zeros([1, NB], gl.int32, WL)  # sum of x_int8
-            for t in gl.static_range(4):
-                xe = gl.expand_dims(gl.convert_layout(x_even[t], gl.SliceLayout(0, WL)), 0)
-                xo = gl.expand_dims(gl.convert_layout(x_odd[t], gl.SliceLayout(0, WL)), 0)
-                # the odd nibbles masked in place are 16 times their value: no shift per word
-                qe = _gl_dp4a(w_t[t] & 0x0F0F0F0F, xe, qe)
-                qo = _gl_dp4a(w_t[t] & -252645136, xo, qo)  # 0xF0F0F0F0
-                qsum = _gl_dp4a(ones, xo, _gl_dp4a(ones, xe, qsum))
-            q = qe + (qo >> 4)  # [BN, NB], exact: qo is a multiple of 16
-            x_scale = gl.expand_dims(
-                gl.convert_layout(amax * (1.0 / 127.0), gl.SliceLayout(0, WL)), 0
-            )
-            xsum = qsum.to(gl.float32) * x_scale  # [1, NB]
-            qx = q.to(gl.float32) * x_scale
-            qx = gl.convert_layout(qx, LQ, assert_trivial=True)  # the same threads: no moves
-            xsum = gl.convert_layout(xsum, LQ, assert_trivial=True)
-            acc += s.to(gl.float32) * (qx - z.to(gl.float32) * xsum)
+            x_even, x_odd, amax = _gl_x_int8_words(xv)
+            acc += _gl_int4_blocks(w, s, z, x_even, x_odd, amax, LQ)
             w = w_next
             s = s_next
             z = z_next
@@ -824,6 +839,68 @@ if gluon is not None:
         if RESIDUAL:
             out += res
         gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+    @gluon.jit
+    def _int4_rows_gluon(
+        x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn, stride_sn,
+        G: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
+        BLOCK_N: gl.constexpr, TILES: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+    ):  # fmt: skip
+        # _int4_row_gluon for wide weights with short rows (K <= 1024 * NUM_WARPS, one step):
+        # x is loaded and rounded to int8 once, then the program takes TILES tiles of BLOCK_N
+        # rows in turn, loading the next tile while it computes one. With one tile per program,
+        # each program reads all of x (and RMSNorm's weight), 8 KB for K = 4096, against 32 KB
+        # of weights for 16 rows: a quarter as much again from L2 (Llama-2-7B's w13).
+        NB: gl.constexpr = 32 * NUM_WARPS  # blocks of 32 k: one per thread
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [1, NUM_WARPS, 1], [2, 1, 0])
+        LQ: gl.constexpr = gl.SliceLayout(2, L3)  # [BLOCK_N, NB]
+        X3: gl.constexpr = gl.BlockedLayout([1, 4, 8], [32, 1, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
+        XB: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, X3))  # [NB]
+        if PDL:
+            _gl_pdl_launch()
+        row0 = gl.program_id(0) * (TILES * BLOCK_N)
+        row_end = gl.minimum(row0 + TILES * BLOCK_N, N)
+        rn = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LQ))  # [BN]
+        rb = gl.arange(0, NB, layout=gl.SliceLayout(0, LQ))  # [NB]
+        w_rows, rn3, rb3 = _gl_weight_rows(w_ptr, stride_wn, row0, BLOCK_N, 4, L3)
+        b_ok3 = rb3 * 32 < K
+        g_off = gl.expand_dims(rn, 1) * stride_sn + gl.expand_dims(rb * 32 // G, 0)  # [BN, NB]
+        b_ok2 = gl.expand_dims(rb * 32 < K, 0)
+        # The first tile's weights do not depend on the kernel before: they load before the wait.
+        w = gl.load(w_rows, mask=(rn3 < row_end) & b_ok3, other=0)
+        sg_ok = gl.expand_dims(rn < row_end, 1) & b_ok2
+        s = gl.load(s_ptr + g_off, mask=sg_ok, other=0)
+        z = gl.load(z_ptr + g_off, mask=sg_ok, other=0)
+        if PDL:
+            _gl_pdl_wait()
+        if RESIDUAL:
+            res = gl.load(r_ptr + rn, mask=rn < row_end, other=0).to(gl.float32)
+        x_in, xb3 = _gl_x_offsets(NB, 4, 8, X3)  # [NB, 4, 8]
+        ss = gl.zeros([NB], gl.float32, XB)
+        xv, ss = _gl_load_x(x_ptr, x_in, xb3 * 32 < K, nw_ptr, K, ss, NORM, GLU)
+        x_even, x_odd, amax = _gl_x_int8_words(xv)
+        if NORM:
+            rstd = gl.rsqrt(gl.sum(ss, axis=0) / K + eps)
+        for t in range(TILES):
+            # the next tile, in flight while this one computes (masked off past the last)
+            nxt = (t + 1) * BLOCK_N
+            w_next = gl.load(w_rows + nxt * stride_wn, mask=(rn3 + nxt < row_end) & b_ok3, other=0)
+            sg1_ok = gl.expand_dims(rn + nxt < row_end, 1) & b_ok2
+            s_next = gl.load(s_ptr + g_off + nxt * stride_sn, mask=sg1_ok, other=0)
+            z_next = gl.load(z_ptr + g_off + nxt * stride_sn, mask=sg1_ok, other=0)
+            if RESIDUAL:
+                res_next = gl.load(r_ptr + rn + nxt, mask=rn + nxt < row_end, other=0)
+            out = gl.sum(_gl_int4_blocks(w, s, z, x_even, x_odd, amax, LQ), axis=1)  # [BN]
+            if NORM:
+                out = out * rstd
+            if RESIDUAL:
+                out += res
+                res = res_next.to(gl.float32)
+            rt = rn + t * BLOCK_N
+            gl.store(y_ptr + rt, out.to(y_ptr.dtype.element_ty), mask=rt < row_end)
+            w = w_next
+            s = s_next
+            z = z_next
 
     @gluon.jit
     def _gl_int8_floats(w):
@@ -864,7 +941,8 @@ if gluon is not None:
             _gl_pdl_launch()
         rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LQ))  # [BN]
         n_ok = rn < N
-        w_rows, n_ok3, rb3 = _gl_weight_rows(w_ptr, stride_wn, N, BLOCK_N, 4, L3)
+        w_rows, rn3, rb3 = _gl_weight_rows(w_ptr, stride_wn, pid * BLOCK_N, BLOCK_N, 4, L3)
+        n_ok3 = rn3 < N
         x_in, xb3 = _gl_x_offsets(NB, 4, 4, X3)  # [NB, 4, 4]
 
         # The first step's weights do not depend on the kernel before: they load before the wait.
@@ -931,7 +1009,8 @@ if gluon is not None:
             _gl_pdl_launch()
         rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
         n_ok = rn < N
-        w_rows, n_ok3, rb3 = _gl_weight_rows(w_ptr, stride_wn, N, BLOCK_N, VEC, L3)
+        w_rows, rn3, rb3 = _gl_weight_rows(w_ptr, stride_wn, pid * BLOCK_N, BLOCK_N, VEC, L3)
+        n_ok3 = rn3 < N
         x_in, xb3 = _gl_x_offsets(NB, 2, VEC // 2, X3)  # [NB, 2, VEC / 2]
 
         # The first step's weights do not depend on the kernel before: they load before the wait.
@@ -1149,11 +1228,11 @@ def _gemv_launch(
         cfg = dict(config or gemv_config(fmt, 1, N, K, groupsize, experts=M))
     else:
         cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
-    # GLUON (rows, warps): a Gluon kernel instead, where one takes the shape
+    # GLUON (rows, warps[, row tiles]): a Gluon kernel instead, where one takes the shape
     gl_cfg = cfg.pop("GLUON", None)
     if gl_cfg and M == 1 and not experts and bias is None:
         args = (x2, weight, fmt, scales, zeros, groupsize, norm_weight, eps, glu, residual)
-        y = _gluon_row_launch(*args, block_n=gl_cfg[0], warps=gl_cfg[1])
+        y = _gluon_row_launch(*args, *gl_cfg)
         if y is not None:
             return y.reshape(*x.shape[:-1], N)
     split_k = cfg["SPLIT_K"]
@@ -1227,11 +1306,13 @@ def _gluon_row_launch(
     residual: Tensor | None,
     block_n: int,
     warps: int,
+    tiles: int = 1,
 ) -> Tensor | None:
     # One row x [1, K] on a Gluon kernel, block_n rows and `warps` warps per program -> y [1,
-    # N], or None where none takes it: Gluon missing, not CUDA, Triton's interpreter (it has no
-    # Gluon), or weights not in whole 16-byte blocks of the row (int8 and float: K a multiple
-    # of the block, rows contiguous and 16-byte aligned).
+    # N] (int4 with K <= 1024 * warps: `tiles` tiles of block_n rows per program), or None
+    # where none takes it: Gluon missing, not CUDA, Triton's interpreter (it has no Gluon), or
+    # weights not in whole 16-byte blocks of the row (int8 and float: K a multiple of the
+    # block, rows contiguous and 16-byte aligned).
     if gluon is None or x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return None
     N, row_bytes = weight.shape[-2], weight.shape[-1] * weight.element_size()
@@ -1247,7 +1328,13 @@ def _gluon_row_launch(
     nw = norm_weight if norm_weight is not None else y
     r = residual.reshape(1, N) if residual is not None else y
     grid = (triton.cdiv(N, block_n),)
-    if fmt == INT4:
+    if fmt == INT4 and tiles > 1 and K <= 1024 * warps:
+        w = weight.view(torch.int32)
+        _int4_rows_gluon[(triton.cdiv(N, block_n * tiles),)](
+            x, w, scales, zeros, nw, r, y, N, K, eps, w.stride(-2), scales.stride(-2),
+            G=groupsize, TILES=tiles, **fused,
+        )  # fmt: skip
+    elif fmt == INT4:
         w = weight.view(torch.int32)
         _int4_row_gluon[grid](
             x, w, scales, zeros, nw, r, y, N, K, eps, w.stride(-2), scales.stride(-2),
