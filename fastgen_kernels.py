@@ -672,15 +672,12 @@ if gluon is not None:
         return gl.fma(gl.fma(-a, r, 1.0), r, r)
 
     @gluon.jit
-    def _gl_pdl_launch():
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0",
-            "=r",
-            [],
-            dtype=gl.int32,
-            is_pure=False,
-            pack=1,
-        )
+    def _gl_program(PDL: gl.constexpr):
+        # -> the program's index; with PDL, the next kernel may launch now (as _dependent_launch)
+        if PDL:
+            asm: gl.constexpr = "griddepcontrol.launch_dependents; // $0"
+            gl.inline_asm_elementwise(asm, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        return gl.program_id(0)
 
     @gluon.jit
     def _gl_pdl_wait():
@@ -703,6 +700,14 @@ if gluon is not None:
             xv = xv * gl.load(nw_ptr + x_off, mask=ok, other=0).to(gl.float32)
         return xv, ss
 
+    @gluon.constexpr_function
+    def _gl_block_layouts(V, A, B, num_warps):
+        # The layouts of the Gluon GEMVs: weights [rows, NB, V] (16 bytes of each row) and x
+        # [NB, A, B] with NB = 32 * num_warps blocks of k: the thread that holds block b's
+        # weights, thread (warp v, lane l) for b = 32v + l, holds the same block's x
+        w = gl.BlockedLayout([1, 1, V], [1, 32, 1], [1, num_warps, 1], [2, 1, 0])
+        return w, gl.BlockedLayout([1, A, B], [32, 1, 1], [num_warps, 1, 1], [2, 1, 0])
+
     @gluon.jit
     def _gl_grid3(A: gl.constexpr, B: gl.constexpr, C: gl.constexpr, L: gl.constexpr):
         # the indices of an [A, B, C] tensor of layout L along each dimension: [A, 1, 1],
@@ -719,11 +724,12 @@ if gluon is not None:
     ):
         # The first step of weights [BLOCK_N, NB, V] (layout L3) from row row0: row rn, block b,
         # element v at w_ptr + rn * stride_wn + V * b + v -> (pointers, the rows [BN, 1, 1],
-        # the blocks [1, NB, 1])
+        # the blocks [1, NB, 1], the rows [BN])
         NB: gl.constexpr = L3.warps_per_cta[1] * 32
         rn3, rb3, rv3 = _gl_grid3(BLOCK_N, NB, V, L3)
+        rn = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
         rn3 += row0
-        return w_ptr + rn3 * stride_wn + rb3 * V + rv3, rn3, rb3
+        return w_ptr + rn3 * stride_wn + rb3 * V + rv3, rn3, rb3, rn
 
     @gluon.jit
     def _gl_x_offsets(NB: gl.constexpr, A: gl.constexpr, B: gl.constexpr, X3: gl.constexpr):
@@ -784,20 +790,15 @@ if gluon is not None:
     ):  # fmt: skip
         NB: gl.constexpr = 32 * NUM_WARPS  # blocks of 32 k per step: one per thread
         BLOCK_K: gl.constexpr = 32 * NB
-        # weights [BLOCK_N, NB, 4] int32 words: thread (warp v, lane l) holds block 32v + l, its 4
-        # words (16 bytes), for every row
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [1, NUM_WARPS, 1], [2, 1, 0])
+        # weights [BLOCK_N, NB, 4] int32 words, x [NB, 4, 8]: a thread holds a block of 32 k
+        L3: gl.constexpr = _gl_block_layouts(4, 4, 8, NUM_WARPS)[0]
+        X3: gl.constexpr = _gl_block_layouts(4, 4, 8, NUM_WARPS)[1]
         LQ: gl.constexpr = gl.SliceLayout(2, L3)  # [BLOCK_N, NB]
-        # x [NB, 4, 8]: the same thread holds the same block's 32 values
-        X3: gl.constexpr = gl.BlockedLayout([1, 4, 8], [32, 1, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
         XB: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, X3))  # [NB]
-        pid = gl.program_id(0)
-        if PDL:
-            _gl_pdl_launch()
-        rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LQ))  # [BN]
+        row0 = _gl_program(PDL) * BLOCK_N
+        w_rows, rn3, rb3, rn = _gl_weight_rows(w_ptr, stride_wn, row0, BLOCK_N, 4, L3)
         n_ok = rn < N
         rb = gl.arange(0, NB, layout=gl.SliceLayout(0, LQ))  # [NB]
-        w_rows, rn3, rb3 = _gl_weight_rows(w_ptr, stride_wn, pid * BLOCK_N, BLOCK_N, 4, L3)
         n_ok3 = rn3 < N
         s_rows = gl.expand_dims(rn, 1) * stride_sn  # [BN, 1]
         n_ok2 = gl.expand_dims(n_ok, 1)
@@ -852,17 +853,13 @@ if gluon is not None:
         # each program reads all of x (and RMSNorm's weight), 8 KB for K = 4096, against 32 KB
         # of weights for 16 rows: a quarter as much again from L2 (Llama-2-7B's w13).
         NB: gl.constexpr = 32 * NUM_WARPS  # blocks of 32 k: one per thread
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [1, NUM_WARPS, 1], [2, 1, 0])
+        L3: gl.constexpr = _gl_block_layouts(4, 4, 8, NUM_WARPS)[0]
+        X3: gl.constexpr = _gl_block_layouts(4, 4, 8, NUM_WARPS)[1]
         LQ: gl.constexpr = gl.SliceLayout(2, L3)  # [BLOCK_N, NB]
-        X3: gl.constexpr = gl.BlockedLayout([1, 4, 8], [32, 1, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
-        XB: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, X3))  # [NB]
-        if PDL:
-            _gl_pdl_launch()
-        row0 = gl.program_id(0) * (TILES * BLOCK_N)
+        row0 = _gl_program(PDL) * (TILES * BLOCK_N)
         row_end = gl.minimum(row0 + TILES * BLOCK_N, N)
-        rn = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LQ))  # [BN]
+        w_rows, rn3, rb3, rn = _gl_weight_rows(w_ptr, stride_wn, row0, BLOCK_N, 4, L3)
         rb = gl.arange(0, NB, layout=gl.SliceLayout(0, LQ))  # [NB]
-        w_rows, rn3, rb3 = _gl_weight_rows(w_ptr, stride_wn, row0, BLOCK_N, 4, L3)
         b_ok3 = rb3 * 32 < K
         g_off = gl.expand_dims(rn, 1) * stride_sn + gl.expand_dims(rb * 32 // G, 0)  # [BN, NB]
         b_ok2 = gl.expand_dims(rb * 32 < K, 0)
@@ -876,7 +873,7 @@ if gluon is not None:
         if RESIDUAL:
             res = gl.load(r_ptr + rn, mask=rn < row_end, other=0).to(gl.float32)
         x_in, xb3 = _gl_x_offsets(NB, 4, 8, X3)  # [NB, 4, 8]
-        ss = gl.zeros([NB], gl.float32, XB)
+        ss = gl.zeros([NB], gl.float32, gl.SliceLayout(1, gl.SliceLayout(2, X3)))
         xv, ss = _gl_load_x(x_ptr, x_in, xb3 * 32 < K, nw_ptr, K, ss, NORM, GLU)
         x_even, x_odd, amax = _gl_x_int8_words(xv)
         if NORM:
@@ -930,18 +927,14 @@ if gluon is not None:
         # K is a whole number of blocks of 16.
         NB: gl.constexpr = 32 * NUM_WARPS  # blocks of 16 k per step: one per thread
         BLOCK_K: gl.constexpr = 16 * NB
-        # weights [BLOCK_N, NB, 4] int32 words: thread (warp v, lane l) holds block 32v + l
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [1, NUM_WARPS, 1], [2, 1, 0])
+        # weights [BLOCK_N, NB, 4] int32 words, x [NB, 4 (word), 4 (byte)]: a block of 16 k each
+        L3: gl.constexpr = _gl_block_layouts(4, 4, 4, NUM_WARPS)[0]
+        X3: gl.constexpr = _gl_block_layouts(4, 4, 4, NUM_WARPS)[1]
         LQ: gl.constexpr = gl.SliceLayout(2, L3)  # [BLOCK_N, NB]
-        # x [NB, 4 (word), 4 (byte)]: the same thread holds the same block's 16 values
-        X3: gl.constexpr = gl.BlockedLayout([1, 4, 4], [32, 1, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
         XB: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, X3))  # [NB]
-        pid = gl.program_id(0)
-        if PDL:
-            _gl_pdl_launch()
-        rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LQ))  # [BN]
+        row0 = _gl_program(PDL) * BLOCK_N
+        w_rows, rn3, rb3, rn = _gl_weight_rows(w_ptr, stride_wn, row0, BLOCK_N, 4, L3)
         n_ok = rn < N
-        w_rows, rn3, rb3 = _gl_weight_rows(w_ptr, stride_wn, pid * BLOCK_N, BLOCK_N, 4, L3)
         n_ok3 = rn3 < N
         x_in, xb3 = _gl_x_offsets(NB, 4, 4, X3)  # [NB, 4, 4]
 
@@ -997,19 +990,13 @@ if gluon is not None:
         # it reads, so the loop moves no data between threads. K is a whole number of blocks.
         NB: gl.constexpr = 32 * NUM_WARPS  # blocks of VEC k per step: one per thread
         BLOCK_K: gl.constexpr = VEC * NB
-        # weights [BLOCK_N, NB, VEC]: thread (warp v, lane l) holds block 32v + l of every row
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, VEC], [1, 32, 1], [1, NUM_WARPS, 1], [2, 1, 0])
-        # x [NB, 2, VEC / 2], the same block in the same thread (3 dimensions for _gl_load_x)
-        X3: gl.constexpr = gl.BlockedLayout(
-            [1, 2, VEC // 2], [32, 1, 1], [NUM_WARPS, 1, 1], [2, 1, 0]
-        )
+        # weights [BLOCK_N, NB, VEC], x [NB, 2, VEC / 2] (3 dimensions for _gl_load_x)
+        L3: gl.constexpr = _gl_block_layouts(VEC, 2, VEC // 2, NUM_WARPS)[0]
+        X3: gl.constexpr = _gl_block_layouts(VEC, 2, VEC // 2, NUM_WARPS)[1]
         XB: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, X3))  # [NB]
-        pid = gl.program_id(0)
-        if PDL:
-            _gl_pdl_launch()
-        rn = pid * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        row0 = _gl_program(PDL) * BLOCK_N
+        w_rows, rn3, rb3, rn = _gl_weight_rows(w_ptr, stride_wn, row0, BLOCK_N, VEC, L3)
         n_ok = rn < N
-        w_rows, rn3, rb3 = _gl_weight_rows(w_ptr, stride_wn, pid * BLOCK_N, BLOCK_N, VEC, L3)
         n_ok3 = rn3 < N
         x_in, xb3 = _gl_x_offsets(NB, 2, VEC // 2, X3)  # [NB, 2, VEC / 2]
 
