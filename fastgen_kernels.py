@@ -986,8 +986,10 @@ if gluon is not None:
     ):  # fmt: skip
         # One row against float rows (bfloat16, float16, float32, or float8 bytes with per-row
         # scales), the layouts as in _int4_row_gluon: each thread owns one block of VEC k (16
-        # bytes of each row) and the same VEC values of x, and keeps a float32 sum per weight
-        # it reads, so the loop moves no data between threads. K is a whole number of blocks.
+        # bytes of each row) and the same VEC values of x, and keeps a float32 sum per row and
+        # block (the block's products chained into FMAs; a sum per weight held 8 times the
+        # registers and spilled at 16 rows offline), so the loop moves no data between threads.
+        # K is a whole number of blocks.
         NB: gl.constexpr = 32 * NUM_WARPS  # blocks of VEC k per step: one per thread
         BLOCK_K: gl.constexpr = VEC * NB
         # weights [BLOCK_N, NB, VEC], x [NB, 2, VEC / 2] (3 dimensions for _gl_load_x)
@@ -1006,7 +1008,7 @@ if gluon is not None:
             _gl_pdl_wait()
         if RESIDUAL:
             res = gl.load(r_ptr + rn, mask=n_ok, other=0).to(gl.float32)
-        acc = gl.zeros([BLOCK_N, NB, VEC], gl.float32, L3)
+        acc = gl.zeros([BLOCK_N, NB], gl.float32, gl.SliceLayout(2, L3))
         ss = gl.zeros([NB], gl.float32, XB)
         for k0 in range(0, K, BLOCK_K):
             k1 = k0 + BLOCK_K  # the next step's weights, in flight while this one computes
@@ -1015,9 +1017,9 @@ if gluon is not None:
             xv = gl.convert_layout(gl.reshape(xv, [NB, VEC]), gl.SliceLayout(0, L3))
             if FP8:
                 w = w.to(gl.float8e4nv, bitcast=True)
-            acc += w.to(gl.float32) * gl.expand_dims(xv, 0)
+            acc += gl.sum(w.to(gl.float32) * gl.expand_dims(xv, 0), axis=2)
             w = w_next
-        out = gl.sum(gl.sum(acc, axis=2), axis=1)  # [BN]
+        out = gl.sum(acc, axis=1)  # [BN]
         if FP8:
             out = out * gl.load(s_ptr + rn, mask=n_ok, other=0).to(gl.float32)
         if NORM:
