@@ -3,7 +3,9 @@
 #     grouped int4 (per-group scale and offset) or float8 (per-channel scale), the
 #     dequantization fused into the loads, optional split-K for narrow outputs; inputs of more
 #     rows (batches, short prompts of quantized weights) run as tl.dot row tiles; the narrow
-#     one-row int4 shapes run on a Gluon kernel (Triton with explicit layouts) instead;
+#     one-row int4 shapes run on a Gluon kernel (Triton with explicit layouts) instead, and
+#     Gluon kernels for one row of int8, float and wide int4 weights run where a config
+#     names them (not yet timed on a GPU, so no default names them);
 #   - decode_attention: one query token against the KV cache, the sequence split across programs
 #     (flash-decoding) and only the filled part of the cache read; FusedBlock feeds it wqkv's
 #     output directly, and the kernel applies the rotary embedding and writes the cache too.
@@ -850,8 +852,8 @@ if gluon is not None:
         # _int4_row_gluon for wide weights with short rows (K <= 1024 * NUM_WARPS, one step):
         # x is loaded and rounded to int8 once, then the program takes TILES tiles of BLOCK_N
         # rows in turn, loading the next tile while it computes one. With one tile per program,
-        # each program reads all of x (and RMSNorm's weight), 8 KB for K = 4096, against 32 KB
-        # of weights for 16 rows: a quarter as much again from L2 (Llama-2-7B's w13).
+        # each program reads all of x and RMSNorm's weight, 16 KB for K = 4096, against 32 KB
+        # of weights for 16 rows: half as much again from L2 (Llama-2-7B's w13).
         NB: gl.constexpr = 32 * NUM_WARPS  # blocks of 32 k: one per thread
         L3: gl.constexpr = _gl_block_layouts(4, 4, 8, NUM_WARPS)[0]
         X3: gl.constexpr = _gl_block_layouts(4, 4, 8, NUM_WARPS)[1]
