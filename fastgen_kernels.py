@@ -1109,6 +1109,11 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
                 cfg["GLUON"] = (16, 4)
             elif N < 2 * K:
                 cfg["GLUON"] = (8, 2)
+            elif N < 4 * K and K <= 4096 and groupsize < 64:
+                # Tiles: x rounded once for 4 tiles of 8 rows. Round 20 on the H200, 7B g32
+                # wqkv: 10.0 us against Triton's 11.5; w13 and the output layer stay on
+                # Triton (7B w13 17.0 against 17.5, 8B g128 w13 18.9 against 18.6).
+                cfg["GLUON"] = (8, 4, 4)
     elif fmt == INT4:
         cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4)
     elif N <= 64 and block_m == 1:  # a router's few rows: one program reads the whole weight
@@ -1121,6 +1126,10 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
         cfg = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
     else:
         cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)
+    if gluon is not None and block_m == 1 and not experts and N > 64:
+        gl = gluon_row_shape(fmt, N, K)
+        if gl:
+            cfg["GLUON"] = gl
     cfg["num_stages"] = 3  # the row tiles' tl.dot pipelining
     if block_m > 1:
         cfg["BLOCK_N"] = max(cfg["BLOCK_N"], 16)
@@ -1128,6 +1137,24 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
         cfg["STAGES"] = stages
     split = split_k(N, K, cfg["BLOCK_N"], cfg["BLOCK_K"], max(experts, 1))
     return dict(cfg, BLOCK_M=block_m, SPLIT_K=split)
+
+
+def gluon_row_shape(fmt: int, N: int, K: int) -> tuple | None:
+    # (rows, warps) of the one-row Gluon kernel for int8 and bfloat16 weights, where it beat
+    # Triton's launch alone on the H200 (round 20, bench_results/h200_gluon_sweep_round20_*):
+    # int8 Llama-2-7B wo 6.7 us against 7.0, w13 25.4 against 26.4, w2 15.7 against 16.5, the
+    # output layer 31.8 against 33.7 (wqkv: 15.6 against 15.2, stays); bfloat16 wo 11.0
+    # against 11.7, w2 26.2 against 27.1 (8B: 32.9 against 34.0), wqkv 25.1 against 26.2 (8B:
+    # 14.4 against 15.1). bfloat16 w13 and output layers were as fast on Triton.
+    if fmt == INT8:
+        return None if K < N < 4 * K else (8, 4)
+    if fmt != FLOAT:
+        return None
+    if N == K:
+        return (4, 2)
+    if N < 2 * K:
+        return (8, 4)
+    return (8, 2) if N < 4 * K else None
 
 
 def split_k(N: int, K: int, block_n: int, block_k: int, rows: int = 1) -> int:

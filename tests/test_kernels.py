@@ -108,23 +108,46 @@ def test_gluon_row_matches_reference(fusion, fmt, groupsize, block_n, warps):
 
 
 @pytest.mark.skipif(kernels.gluon is None, reason="this Triton has no Gluon")
-def test_gluon_is_the_default_for_narrow_int4_rows_only():
-    # The narrow one-row int4 shapes default to the Gluon kernel; wide ones, batches and
-    # experts stay on Triton. A config that names it still runs where Gluon cannot (CPU, the
+def test_gluon_is_the_default_where_it_measured_faster():
+    # One-row int4, int8 and bfloat16 GEMVs default to the Gluon kernels on the shapes where
+    # they beat Triton alone (gemv_config's comments); the rest, batches, experts and routers
+    # stay on Triton. A config that names Gluon still runs where Gluon cannot (CPU, the
     # interpreter): the launch falls back to the Triton kernel with the same result.
-    cfg = kernels.gemv_config(kernels.INT4, 1, 256, 256, 32)
-    assert cfg["GLUON"]
-    for args in [(1, 22016, 4096, 32), (3, 256, 256, 32), (1, 256, 256, 32, 2)]:
-        assert "GLUON" not in kernels.gemv_config(kernels.INT4, *args)
+    if kernels.gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    shapes = {
+        (kernels.INT4, 1, 256, 256, 32): (4, 2),
+        (kernels.INT4, 1, 12288, 4096, 32): (8, 4, 4),  # Llama-2-7B wqkv, tiles
+        (kernels.INT4, 1, 12288, 4096, 128): None,
+        (kernels.INT4, 1, 22016, 4096, 32): None,  # w13
+        (kernels.INT8, 1, 4096, 4096, 0): (8, 4),
+        (kernels.INT8, 1, 32000, 4096, 0): (8, 4),
+        (kernels.INT8, 1, 12288, 4096, 0): None,  # wqkv
+        (kernels.FLOAT, 1, 4096, 4096, 0): (4, 2),
+        (kernels.FLOAT, 1, 4096, 11008, 0): (8, 4),
+        (kernels.FLOAT, 1, 12288, 4096, 0): (8, 2),
+        (kernels.FLOAT, 1, 22016, 4096, 0): None,  # w13
+        (kernels.FLOAT, 1, 8, 4096, 0): None,  # a router
+        (kernels.FP8, 1, 4096, 4096, 0): None,
+        (kernels.INT8, 3, 256, 256, 0): None,
+        (kernels.FLOAT, 3, 256, 256, 0): None,
+    }
+    for (fmt, *args), rows_warps in shapes.items():
+        assert kernels.gemv_config(fmt, *args).get("GLUON") == rows_warps, (fmt, args)
+    for fmt in (kernels.INT4, kernels.INT8, kernels.FLOAT):  # experts
+        assert "GLUON" not in kernels.gemv_config(fmt, 1, 256, 256, 32, 2)
     sweep = bench_module().sweep_configs(kernels.INT4, 256, 256, 32)
     assert any("GLUON" not in c for c in sweep) and sum("GLUON" in c for c in sweep) > 2
     torch.manual_seed(1)
-    w = make(kernels.INT4, 256, 256)
-    x = torch.randn(1, 256, device=DEVICE)
-    r = torch.randn(1, 256, device=DEVICE)
-    ref = kernels.gemv_reference(x, fmt=kernels.INT4, residual=r, **w)
-    got = kernels.gemv(x, fmt=kernels.INT4, residual=r, config=cfg, **w)
-    torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
+    for fmt in (kernels.INT4, kernels.INT8, kernels.FLOAT):
+        cfg = kernels.gemv_config(fmt, 1, 256, 256, 32)
+        assert cfg["GLUON"]
+        w = make(fmt, 256, 256)
+        x = torch.randn(1, 256, device=DEVICE)
+        r = torch.randn(1, 256, device=DEVICE)
+        ref = kernels.gemv_reference(x, fmt=fmt, residual=r, **w)
+        got = kernels.gemv(x, fmt=fmt, residual=r, config=cfg, **w)
+        torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
 
 
 def bench_module():
