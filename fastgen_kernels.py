@@ -1098,22 +1098,6 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
             # The output layer: 89% plain, 85% pipelined. Groups of 128 have a quarter of the
             # scale loads and decode faster plain (Llama-3.1-8B g128: 531.5 against 514.8 tok/s).
             stages = 1 if N > 7 * K or groupsize >= 64 else 3
-        # The narrow ones go to the Gluon kernel (rows per program, warps). Alone, on an H100
-        # (round 18): 7B wo 5.6 us against 6.1 (4 rows, 2 warps), w2 13.2 against 14.0 (16, 4);
-        # 8B g128 wqkv 6.7 against 7.3 (8, 2), wo 5.2 against 5.9, w2 15.4 against 16.2. wqkv
-        # of 7B, w13 and the output layer were as fast or faster in Triton.
-        if gluon is not None and not experts:
-            if N == K:
-                cfg["GLUON"] = (4, 2)
-            elif N < K:
-                cfg["GLUON"] = (16, 4)
-            elif N < 2 * K:
-                cfg["GLUON"] = (8, 2)
-            elif N < 4 * K and K <= 4096 and groupsize < 64:
-                # Tiles: x rounded once for 4 tiles of 8 rows. Round 20 on the H200, 7B g32
-                # wqkv: 10.0 us against Triton's 11.5; w13 and the output layer stay on
-                # Triton (7B w13 17.0 against 17.5, 8B g128 w13 18.9 against 18.6).
-                cfg["GLUON"] = (8, 4, 4)
     elif fmt == INT4:
         cfg = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4)
     elif N <= 64 and block_m == 1:  # a router's few rows: one program reads the whole weight
@@ -1126,8 +1110,8 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
         cfg = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4)
     else:
         cfg = dict(BLOCK_N=8, BLOCK_K=512, num_warps=4)
-    if gluon is not None and block_m == 1 and not experts and N > 64:
-        gl = gluon_row_shape(fmt, N, K)
+    if gluon is not None and block_m == 1 and not experts:
+        gl = gluon_row_shape(fmt, N, K, groupsize)
         if gl:
             cfg["GLUON"] = gl
     cfg["num_stages"] = 3  # the row tiles' tl.dot pipelining
@@ -1139,13 +1123,29 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
     return dict(cfg, BLOCK_M=block_m, SPLIT_K=split)
 
 
-def gluon_row_shape(fmt: int, N: int, K: int) -> tuple | None:
-    # (rows, warps) of the one-row Gluon kernel for int8 and bfloat16 weights, where it beat
-    # Triton's launch alone on the H200 (round 20, bench_results/h200_gluon_sweep_round20_*):
-    # int8 Llama-2-7B wo 6.7 us against 7.0, w13 25.4 against 26.4, w2 15.7 against 16.5, the
-    # output layer 31.8 against 33.7 (wqkv: 15.6 against 15.2, stays); bfloat16 wo 11.0
-    # against 11.7, w2 26.2 against 27.1 (8B: 32.9 against 34.0), wqkv 25.1 against 26.2 (8B:
-    # 14.4 against 15.1). bfloat16 w13 and output layers were as fast on Triton.
+def gluon_row_shape(fmt: int, N: int, K: int, groupsize: int = 0) -> tuple | None:
+    # (rows per program, warps[, tiles]) of the one-row Gluon kernels on the shapes where they
+    # beat Triton's launch alone, or None for Triton.
+    if fmt == INT4:
+        # Round 18, on an H100: 7B wo 5.6 us against 6.1 (4 rows, 2 warps), w2 13.2 against
+        # 14.0 (16, 4); 8B g128 wqkv 6.7 against 7.3 (8, 2), wo 5.2 against 5.9, w2 15.4
+        # against 16.2. Round 20, on the H200: 7B g32 wqkv with x rounded once for 4 tiles of 8
+        # rows, 10.0 us against 11.5. w13 and the output layer stay on Triton (7B g32 w13 17.0
+        # against 17.5, 8B g128 w13 18.9 against 18.6).
+        if N == K:
+            return (4, 2)
+        if N < K:
+            return (16, 4)
+        if N < 2 * K:
+            return (8, 2)
+        return (8, 4, 4) if N < 4 * K and K <= 4096 and groupsize < 64 else None
+    if N <= 64:  # a router's few rows keep their one Triton program
+        return None
+    # Round 20, on the H200 (bench_results/h200_gluon_sweep_round20_*): int8 Llama-2-7B wo 6.7
+    # us against 7.0, w13 25.4 against 26.4, w2 15.7 against 16.5, the output layer 31.8
+    # against 33.7 (wqkv: 15.6 against 15.2, stays); bfloat16 wo 11.0 against 11.7, w2 26.2
+    # against 27.1 (8B: 32.9 against 34.0), wqkv 25.1 against 26.2 (8B: 14.4 against 15.1).
+    # bfloat16 w13 and output layers were as fast on Triton.
     if fmt == INT8:
         return None if K < N < 4 * K else (8, 4)
     if fmt != FLOAT:
