@@ -1416,15 +1416,26 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _rope_pairs(x_ptr, off, mask, f_ptr, ri):
-        # Rotary embedding of interleaved pairs (x[2i], x[2i+1]) by the angle whose (cos, sin)
-        # sit at f_ptr[2i], f_ptr[2i+1]; off [.., D/2] points at the even elements. -> the
-        # rotated values, pairs joined back in order [.., D/2, 2], float32.
+    def _rope_pairs(x_ptr, off, mask, cos, sin):
+        # Rotary embedding of interleaved pairs (x[2i], x[2i+1]) by the angles (cos, sin) [D/2];
+        # off [.., D/2] points at the even elements. -> the rotated values, pairs joined back in
+        # order [.., D/2, 2], float32.
         x_e = tl.load(x_ptr + off, mask=mask, other=0).to(tl.float32)
         x_o = tl.load(x_ptr + off + 1, mask=mask, other=0).to(tl.float32)
-        cos = tl.load(f_ptr + 2 * ri).to(tl.float32)
-        sin = tl.load(f_ptr + 2 * ri + 1).to(tl.float32)
         return tl.join(x_e * cos - x_o * sin, x_o * cos + x_e * sin)
+
+    @triton.jit
+    def _attend_block(q, k, v, s_ok, m, l_sum, acc, sm_scale, DOT_PRECISION: tl.constexpr):
+        # Online softmax over one block of slots: q [GP, D], k, v [BS, D], s_ok [BS] (at least
+        # one true) -> the running max m [GP], sum l_sum [GP] and unnormalised output acc [GP, D]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # [GP, BS]
+        scores = tl.where(s_ok[None, :], scores, -float("inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        return m_new, l_sum, acc
 
     @triton.jit
     def _attn_split_kernel(
@@ -1439,7 +1450,10 @@ if triton is not None:
         # embedding. The kernel rotates q and the new key, writes key and value to the cache
         # slot input_pos, and attends to that slot from registers (the split holding it).
         # Otherwise q [B, H, 1, D] is rotated already and the cache holds the new token.
-        _dependent_launch(PDL)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        if PDL and not QKV:  # the kernel before wrote q and this step's cache slot
+            tl.extra.cuda.gdc_wait()
         pid = tl.program_id(0)  # over batch x kv heads
         split = tl.program_id(1)
         b = pid // H_KV
@@ -1453,39 +1467,48 @@ if triton is not None:
         g_ok = rg < GROUP
         dt = k_ptr.dtype.element_ty
         kv_base = b * stride_kb + hk * stride_kh
+        # The first block of cached keys and values [BS, D]. With QKV it loads before the wait
+        # on wqkv: slots before pos, the position and the rotary angles were all written before
+        # this step's first kernel (Inductor's, launched without PDL), which every kernel of
+        # the step's dependent chain starts after. Only wqkv's output comes from the kernel
+        # before. Without QKV the wait came first: slot pos is the kernel before's.
+        cache_end = tl.minimum(end, pos) if QKV else end  # QKV: slot pos holds a stale key
+        rs1 = start + tl.arange(0, BLOCK_S)
+        kv1 = kv_base + rs1[:, None] * stride_ks + rd[None, :]
+        ok1 = rs1 < cache_end
+        k_first = tl.load(k_ptr + kv1, mask=ok1[:, None], other=0)
+        v_first = tl.load(v_ptr + kv1, mask=ok1[:, None], other=0)
         if QKV:
             ri = tl.arange(0, D // 2)
             f_ptr += b * stride_fb
+            cos = tl.load(f_ptr + 2 * ri).to(tl.float32)  # [D/2]
+            sin = tl.load(f_ptr + 2 * ri + 1).to(tl.float32)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
             q_row = q_ptr + b * stride_qb
             q_off = (hk * GROUP + rg)[:, None] * D + 2 * ri[None, :]  # [GP, D/2]
-            q = tl.reshape(_rope_pairs(q_row, q_off, g_ok[:, None], f_ptr, ri), [GROUP_PAD, D])
+            q = tl.reshape(_rope_pairs(q_row, q_off, g_ok[:, None], cos, sin), [GROUP_PAD, D])
             q = q.to(dt)  # rounded as the unfused path stores it
             # the new key and value: rotated, written to the cache, kept for its own slot
             k_new = tl.reshape(_rope_pairs(q_row, (H_KV * GROUP + hk) * D + 2 * ri, ri < D // 2,
-                                           f_ptr, ri), [D]).to(dt)  # fmt: skip
+                                           cos, sin), [D]).to(dt)  # fmt: skip
             v_new = tl.load(q_row + (H_KV * (GROUP + 1) + hk) * D + rd)
-            cache_end = tl.minimum(end, pos)  # slot pos still holds a stale key: skip it
         else:
             q_off = b * stride_qb + (hk * GROUP + rg)[:, None] * stride_qh + rd[None, :]
             q = tl.load(q_ptr + q_off, mask=g_ok[:, None], other=0)  # [GP, D]
-            cache_end = end
         m = tl.full([GROUP_PAD], -float("inf"), dtype=tl.float32)
         l_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
-        for s0 in range(start, cache_end, BLOCK_S):
+        if start < cache_end:
+            m, l_sum, acc = _attend_block(q, k_first, v_first, ok1, m, l_sum, acc, sm_scale,
+                                          DOT_PRECISION)  # fmt: skip
+        for s0 in range(start + BLOCK_S, cache_end, BLOCK_S):
             rs = s0 + tl.arange(0, BLOCK_S)
             s_ok = rs < cache_end
             kv_off = kv_base + rs[:, None] * stride_ks + rd[None, :]
             k = tl.load(k_ptr + kv_off, mask=s_ok[:, None], other=0)  # [BS, D]
             v = tl.load(v_ptr + kv_off, mask=s_ok[:, None], other=0)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale  # [GP, BS]
-            scores = tl.where(s_ok[None, :], scores, -float("inf"))  # [GP, BS]
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m = m_new
+            m, l_sum, acc = _attend_block(q, k, v, s_ok, m, l_sum, acc, sm_scale, DOT_PRECISION)
         if QKV and (start <= pos) & (pos < end):  # this split holds the new token's slot
             tl.store(k_ptr + kv_base + pos * stride_ks + rd, k_new)
             tl.store(v_ptr + kv_base + pos * stride_ks + rd, v_new)
