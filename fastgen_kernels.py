@@ -64,11 +64,8 @@ def gemv_reference(
     router_logits: Tensor | None = None,
     top_k: int = 0,
     mix: bool = False,
-    int8_activations: bool = False,
 ) -> Tensor:
     # What gemv computes, in float32, returned in x's dtype. Weight formats are quantize.py's.
-    # int8_activations: one row of x rounded to int8 after the prologue, as one-row int4 always
-    # does and int8 does with the A8 launch (the dp4a kernel).
     # With expert_idx [M]: weight (and scales, zeros) are stacks [E, ...] and output row m
     # comes from expert expert_idx[m] and row m // (M / rows of x) of x (x's rows may be shared
     # by consecutive output rows: a token's k experts). With router_logits [T, E]: the experts
@@ -108,11 +105,10 @@ def gemv_reference(
         from quantize import dequantize_int4
 
         w = dequantize_int4(weight, scales, zeros, groupsize)
-        int8_activations = True
+        if xf.shape[0] == 1:  # one row: the dp4a path, which quantizes x
+            xf = activation_int8_reference(xf)
     else:
         w = weight.float()
-    if int8_activations and xf.shape[0] == 1:  # one row: the dp4a path, which quantizes x
-        xf = activation_int8_reference(xf)
     y = xf @ w.t() * rstd
     if fmt in (INT8, FP8):
         y = y * scales.float()
@@ -985,79 +981,6 @@ if gluon is not None:
         gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
 
     @gluon.jit
-    def _gl_dp4a_signed(a, b, c):
-        # c + the sum of the products of the 4 signed bytes of a and of b
-        asm: gl.constexpr = "dp4a.s32.s32 $0, $1, $2, $3;"
-        return gl.inline_asm_elementwise(asm, "=r,r,r,r", [a, b, c], gl.int32, True, 1)
-
-    @gluon.jit
-    def _gl_split8(v):
-        # [..., 8] -> its 8 slices along the last dimension, in order (held in one thread)
-        even, odd = gl.split(gl.reshape(v, v.shape[:-1] + [4, 2]))
-        e0, e1, e2, e3 = _gl_split4(even)
-        o0, o1, o2, o3 = _gl_split4(odd)
-        return e0, o0, e1, o1, e2, o2, e3, o3
-
-    @gluon.jit
-    def _int8_row_a8_gluon(
-        x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn,
-        NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
-        BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
-    ):  # fmt: skip
-        # _int8_row_gluon with integer products, as one-row int4 computes them: x rounded to
-        # int8 per block of 32 k like activation_int8_reference, and each weight word (4 int8)
-        # one dp4a against the same 4 k of x, 8 per row and block instead of 36 instructions
-        # (XOR, 4 PRMT and 4 FMA per word). Each thread owns one block of 32 k: its 8 weight
-        # words (32 bytes) of every row and the same 32 values of x. K is a whole number of
-        # blocks of 32.
-        NB: gl.constexpr = 32 * NUM_WARPS  # blocks of 32 k per step: one per thread
-        BLOCK_K: gl.constexpr = 32 * NB
-        # weights [BLOCK_N, NB, 8] int32 words, x [NB, 8 (word), 4 (byte)]: k = 32 b + 4 t + j
-        L3: gl.constexpr = _gl_block_layouts(8, 8, 4, NUM_WARPS)[0]
-        X3: gl.constexpr = _gl_block_layouts(8, 8, 4, NUM_WARPS)[1]
-        LQ: gl.constexpr = gl.SliceLayout(2, L3)  # [BLOCK_N, NB]
-        XB: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, X3))  # [NB]
-        row0 = _gl_program(PDL) * BLOCK_N
-        w_rows, rn3, rb3, rn = _gl_weight_rows(w_ptr, stride_wn, row0, BLOCK_N, 8, L3)
-        n_ok = rn < N
-        n_ok3 = rn3 < N
-        x_in, xb3 = _gl_x_offsets(NB, 8, 4, X3)  # [NB, 8, 4]
-
-        # The first step's weights do not depend on the kernel before: they load before the wait.
-        w = gl.load(w_rows, mask=n_ok3 & (rb3 * 32 < K), other=0)
-        if PDL:
-            _gl_pdl_wait()
-        if RESIDUAL:
-            res = gl.load(r_ptr + rn, mask=n_ok, other=0).to(gl.float32)
-        acc = gl.zeros([BLOCK_N, NB], gl.float32, LQ)
-        ss = gl.zeros([NB], gl.float32, XB)
-        for k0 in range(0, K, BLOCK_K):
-            k1 = k0 + BLOCK_K  # the next step's weights, in flight while this one computes
-            w_next = gl.load(w_rows + k1 // 4, mask=n_ok3 & (k1 + rb3 * 32 < K), other=0)
-            xv, ss = _gl_load_x(x_ptr, k0 + x_in, k0 + xb3 * 32 < K, nw_ptr, K, ss, NORM, GLU)
-            amax = gl.max(gl.max(gl.abs(xv), axis=2), axis=1)  # [NB]
-            inv = 127.0 * _gl_reciprocal(gl.maximum(amax, 1e-30))
-            bits = _gl_round_bits(xv * gl.expand_dims(gl.expand_dims(inv, 1), 2))  # [NB, 8, 4]
-            b0, b1, b2, b3 = _gl_split4(bits)  # byte 0 of each is x_int8: [NB, 8] each
-            x_w = _gl_split8(_gl_pack_bytes(b0, b1, b2, b3))  # 8 x [NB], word t = k 4t..4t+3
-            w_t = _gl_split8(w)  # 8 x [BN, NB]
-            WL: gl.constexpr = w_t[0].type.layout
-            q = gl.zeros([BLOCK_N, NB], gl.int32, WL)
-            for t in gl.static_range(8):
-                xt = gl.expand_dims(gl.convert_layout(x_w[t], gl.SliceLayout(0, WL)), 0)
-                q = _gl_dp4a_signed(w_t[t], xt, q)
-            x_scale = gl.convert_layout(amax * (1.0 / 127.0), gl.SliceLayout(0, WL))
-            qx = q.to(gl.float32) * gl.expand_dims(x_scale, 0)
-            acc += gl.convert_layout(qx, LQ, assert_trivial=True)  # the same threads: no moves
-            w = w_next
-        out = gl.sum(acc, axis=1) * gl.load(s_ptr + rn, mask=n_ok, other=0).to(gl.float32)
-        if NORM:
-            out = out * gl.rsqrt(gl.sum(ss, axis=0) / K + eps)
-        if RESIDUAL:
-            out += res
-        gl.store(y_ptr + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
-
-    @gluon.jit
     def _float_row_gluon(
         x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn,
         FP8: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
@@ -1324,12 +1247,10 @@ def _gemv_launch(
     else:
         cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
     # GLUON (rows, warps[, row tiles]): a Gluon kernel instead, where one takes the shape
-    # and with A8, int8 weights against x rounded to int8 (gemv_reference's int8_activations)
     gl_cfg = cfg.pop("GLUON", None)
-    a8 = cfg.pop("A8", False)
     if gl_cfg and M == 1 and not experts and bias is None:
         args = (x2, weight, fmt, scales, zeros, groupsize, norm_weight, eps, glu, residual)
-        y = _gluon_row_launch(*args, *gl_cfg, a8=a8)
+        y = _gluon_row_launch(*args, *gl_cfg)
         if y is not None:
             return y.reshape(*x.shape[:-1], N)
     split_k = cfg["SPLIT_K"]
@@ -1404,14 +1325,12 @@ def _gluon_row_launch(
     block_n: int,
     warps: int,
     tiles: int = 1,
-    a8: bool = False,
 ) -> Tensor | None:
     # One row x [1, K] on a Gluon kernel, block_n rows and `warps` warps per program -> y [1,
     # N] (int4 with K <= 1024 * warps: `tiles` tiles of block_n rows per program), or None
     # where none takes it: Gluon missing, not CUDA, Triton's interpreter (it has no Gluon), or
     # weights not in whole 16-byte blocks of the row (int8 and float: K a multiple of the
-    # block, rows contiguous and 16-byte aligned). a8: int8 weights against x rounded to int8
-    # (dp4a, as one-row int4 does; K a multiple of 32, else the float products).
+    # block, rows contiguous and 16-byte aligned).
     if gluon is None or x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return None
     N, row_bytes = weight.shape[-2], weight.shape[-1] * weight.element_size()
@@ -1439,9 +1358,6 @@ def _gluon_row_launch(
             x, w, scales, zeros, nw, r, y, N, K, eps, w.stride(-2), scales.stride(-2),
             G=groupsize, **fused,
         )  # fmt: skip
-    elif fmt == INT8 and a8 and K % 32 == 0:
-        w = weight.view(torch.int32)
-        _int8_row_a8_gluon[grid](x, w, scales, nw, r, y, N, K, eps, w.stride(-2), **fused)
     elif fmt == INT8:
         w = weight.view(torch.int32)
         _int8_row_gluon[grid](x, w, scales, nw, r, y, N, K, eps, w.stride(-2), **fused)

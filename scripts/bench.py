@@ -514,11 +514,7 @@ def bench_gemv(
     x = torch.randn(rows, 2 * K if fused.get("glu") else K, device=device, dtype=torch.bfloat16)
     if fused.get("residual"):
         fused["residual"] = torch.randn(rows, N, device=device, dtype=torch.bfloat16)
-    # A8 (int8 weights against x rounded to int8) is held to its own reference
-    a8 = bool(config and config.get("A8")) and rows == 1 and K % 32 == 0
-    ref = kernels.gemv_reference(
-        x, **one, fmt=fmt, expert_idx=picks[0], int8_activations=a8, **fused
-    )
+    ref = kernels.gemv_reference(x, **one, fmt=fmt, expert_idx=picks[0], **fused)
     got = kernels.gemv(x, **one, fmt=fmt, config=config, expert_idx=picks[0], **fused)
     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
@@ -759,9 +755,6 @@ def sweep_configs(fmt, N, K, groupsize=32, experts=0):
         # step: 1024 k for int4, 512 for int8, 256 for bfloat16)
         for rows_warps in [(4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4)]:
             configs.append(dict(triton_default, GLUON=rows_warps))
-        if fmt == kernels.INT8 and K % 32 == 0:  # x rounded to int8, dp4a (A8)
-            for rows_warps in [(4, 2), (4, 4), (8, 2), (8, 4)]:
-                configs.append(dict(triton_default, GLUON=rows_warps, A8=True))
         if fmt == kernels.INT4 and K <= 4096:  # and tiles of rows per program (one K step)
             for tiles in [(8, 4, 4), (8, 4, 8), (16, 4, 2), (16, 4, 4), (16, 4, 8)]:
                 configs.append(dict(triton_default, GLUON=tiles))

@@ -72,19 +72,17 @@ def test_gemv_matches_reference(fmt, rows, split_k, stages):
 @pytest.mark.parametrize("fusion", ["none", "norm", "glu"])
 @pytest.mark.parametrize(
     "fmt, groupsize",
-    [("int4", 32), ("int4", 128), ("int4 tiles", 32), ("int8", 0), ("int8 a8", 0), ("bf16", 0)]
-    + [("float", 0), ("fp8", 0)],
+    [("int4", 32), ("int4", 128), ("int4 tiles", 32), ("int8", 0), ("bf16", 0), ("float", 0)]
+    + [("fp8", 0)],
 )
 @pytest.mark.parametrize("block_n, warps", [(4, 2), (8, 4), (16, 8)])
 def test_gluon_row_matches_reference(fusion, fmt, groupsize, block_n, warps):
     # The Gluon one-row GEMVs: odd row counts, K not a whole number of steps (per warp: 1024 k
     # for int4, 512 for int8, 256 for bfloat16...), the layer fusions, poisoned outputs. Rows
     # not in whole 16-byte blocks (K = 260: int8 and bfloat16) take the Triton kernel. "int4
-    # tiles": 3 tiles of rows per program where K fits one step (K <= 1024 * warps). "int8 a8":
-    # x rounded to int8 (dp4a) where K is a whole number of blocks of 32, else float products.
+    # tiles": 3 tiles of rows per program where K fits one step (K <= 1024 * warps).
     torch.manual_seed(block_n + warps + groupsize)
     tiles = (3,) if fmt == "int4 tiles" else ()
-    a8 = fmt == "int8 a8"
     fmt = fmt.split()[0]
     shapes = [(37, 256), (129, 384), (4096, 4096), (4096, 11008), (12288, 4096)]
     dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
@@ -97,11 +95,9 @@ def test_gluon_row_matches_reference(fusion, fmt, groupsize, block_n, warps):
             fused = dict(norm_weight=torch.rand(K, device=DEVICE) + 0.5, eps=1e-5)
         elif fusion == "glu":
             fused["glu"] = True
-        rounded = a8 and K % 32 == 0
-        ref = kernels.gemv_reference(x.float(), fmt=FMTS[fmt], **w, **fused,
-                                     int8_activations=rounded)  # fmt: skip
+        ref = kernels.gemv_reference(x.float(), fmt=FMTS[fmt], **w, **fused)
         cfg = kernels.gemv_config(FMTS[fmt], 1, N, K, groupsize)
-        cfg.update(GLUON=(block_n, warps, *tiles), A8=a8)
+        cfg["GLUON"] = (block_n, warps, *tiles)
         poison()
         got = kernels.gemv(x, fmt=FMTS[fmt], config=cfg, **w, **fused)
         assert got.dtype == torch.bfloat16 and got.shape == (1, N)
