@@ -1471,7 +1471,9 @@ if triton is not None:
         # on wqkv: slots before pos, the position and the rotary angles were all written before
         # this step's first kernel (Inductor's, launched without PDL), which every kernel of
         # the step's dependent chain starts after. Only wqkv's output comes from the kernel
-        # before. Without QKV the wait came first: slot pos is the kernel before's.
+        # before. Without QKV the wait came first: slot pos is the kernel before's. Round 21,
+        # decode A/B on an H100: Llama-2-7B int8 347 -> 357 tok/s, int4 g32 485 -> 500, bf16
+        # 196 -> 199; Llama-3.1-8B int4 g128 483 -> 502. A first block of 128 slots: 494.
         cache_end = tl.minimum(end, pos) if QKV else end  # QKV: slot pos holds a stale key
         rs1 = start + tl.arange(0, BLOCK_S)
         kv1 = kv_base + rs1[:, None] * stride_ks + rd[None, :]
