@@ -589,8 +589,9 @@ def bench_kernels(models, device, bandwidth, sweep=False, modes=None):
 
 
 # (cache slots, position) at which decode attention is timed alone: the protocol's short
-# context, and 4k and 32k as the context metric decodes them.
-ATTENTION_CONTEXTS = ((256, 200), (4352, 4096), (33024, 32768))
+# context, a 1024-slot cache near full (one program per kv head walks all of it), and 4k and
+# 32k as the context metric decodes them.
+ATTENTION_CONTEXTS = ((256, 200), (1024, 1000), (4352, 4096), (33024, 32768))
 
 
 def attention_sweep(slots: int) -> list:
