@@ -3,9 +3,8 @@
 #     grouped int4 (per-group scale and offset) or float8 (per-channel scale), the
 #     dequantization fused into the loads, optional split-K for narrow outputs; inputs of more
 #     rows (batches, short prompts of quantized weights) run as tl.dot row tiles; the narrow
-#     one-row int4 shapes run on a Gluon kernel (Triton with explicit layouts) instead, and
-#     Gluon kernels for one row of int8, float and wide int4 weights run where a config
-#     names them (not yet timed on a GPU, so no default names them);
+#     one-row shapes where they measured faster run on Gluon kernels (Triton with explicit
+#     layouts) instead: gluon_row_shape says which;
 #   - decode_attention: one query token against the KV cache, the sequence split across programs
 #     (flash-decoding) and only the filled part of the cache read; FusedBlock feeds it wqkv's
 #     output directly, and the kernel applies the rotary embedding and writes the cache too.
@@ -1468,12 +1467,12 @@ if triton is not None:
         dt = k_ptr.dtype.element_ty
         kv_base = b * stride_kb + hk * stride_kh
         # The first block of cached keys and values [BS, D]. With QKV it loads before the wait
-        # on wqkv: slots before pos, the position and the rotary angles were all written before
-        # this step's first kernel (Inductor's, launched without PDL), which every kernel of
-        # the step's dependent chain starts after. Only wqkv's output comes from the kernel
-        # before. Without QKV the wait came first: slot pos is the kernel before's. Round 21,
-        # decode A/B on an H100: Llama-2-7B int8 347 -> 357 tok/s, int4 g32 485 -> 500, bf16
-        # 196 -> 199; Llama-3.1-8B int4 g128 483 -> 502. A first block of 128 slots: 494.
+        # on wqkv: slots before pos, the position and the rotary angles were written by earlier
+        # steps or by Inductor's kernels, which launch without PDL, so they had finished before
+        # any later kernel started (a step begins with one). Only wqkv's output comes from the
+        # dependent chain. Without QKV the wait came first: slot pos is the kernel before's.
+        # Round 21, decode A/B on an H100: Llama-2-7B int8 347 -> 357 tok/s, int4 g32 485 ->
+        # 500, bf16 196 -> 199; Llama-3.1-8B int4 g128 483 -> 502. First block of 128 slots: 494.
         cache_end = tl.minimum(end, pos) if QKV else end  # QKV: slot pos holds a stale key
         rs1 = start + tl.arange(0, BLOCK_S)
         kv1 = kv_base + rs1[:, None] * stride_ks + rd[None, :]
