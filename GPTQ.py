@@ -276,7 +276,8 @@ def gptq_quantize_model(
     freqs_cis = precompute_freqs_cis(
         seq_len, config.head_dim, config.rope_base, config.rope_scaling
     )
-    freqs_cis = freqs_cis.to(device)[None]  # [1, seq_len, head_dim/2, 2]
+    freqs_cis = freqs_cis.to(device)  # [seq_len, head_dim/2, 2]
+    rope_pos = input_pos[None]  # [1, seq_len]
     # The current block's inputs, one row per calibration sample, overwritten by its outputs.
     xs = torch.empty(n_samples, seq_len, config.dim, dtype=dtype, device=device)
     for i in range(n_samples):
@@ -295,7 +296,7 @@ def gptq_quantize_model(
         }
         hessians, counts, handles = hessian_hooks(linears)
         for i in range(n_samples):  # pass 1: Hessians from the float block (outputs dropped)
-            block(xs[i : i + 1], freqs_cis, mask, input_pos)
+            block(xs[i : i + 1], freqs_cis, rope_pos, mask, input_pos)
         for handle in handles:
             handle.remove()
         for name, linear in linears.items():
@@ -305,7 +306,7 @@ def gptq_quantize_model(
             )
             linear.weight.data = dequantized(out[name], groupsize, linear.weight)
         for i in range(n_samples):  # pass 2: the quantized block's outputs feed the next block
-            xs[i : i + 1] = block(xs[i : i + 1], freqs_cis, mask, input_pos)
+            xs[i : i + 1] = block(xs[i : i + 1], freqs_cis, rope_pos, mask, input_pos)
         attn.kv_cache = None
         block.to("meta")  # done with this block: free its weights
         bar.update()

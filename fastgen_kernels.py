@@ -1440,14 +1440,15 @@ if triton is not None:
     def _attn_split_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, sm_scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
-        out_ptr, H_KV, N_SPLIT, f_ptr, stride_fb,
+        out_ptr, H_KV, N_SPLIT, f_ptr,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
         CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, DIRECT: tl.constexpr,
         DOT_PRECISION: tl.constexpr, QKV: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # QKV: q_ptr is the new token's fused projection [B, (H + 2 H_KV) * D] before rotary
-        # embedding. The kernel rotates q and the new key, writes key and value to the cache
-        # slot input_pos, and attends to that slot from registers (the split holding it).
+        # embedding. The kernel rotates q and the new key by row input_pos of the rotary table
+        # f_ptr [S, D/2, 2], writes key and value to the cache slot input_pos, and attends to
+        # that slot from registers (the split holding it).
         # Otherwise q [B, H, 1, D] is rotated already and the cache holds the new token.
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
@@ -1481,7 +1482,7 @@ if triton is not None:
         v_first = tl.load(v_ptr + kv1, mask=ok1[:, None], other=0)
         if QKV:
             ri = tl.arange(0, D // 2)
-            f_ptr += b * stride_fb
+            f_ptr += pos * D  # unpadded rows: the rotary position is the slot
             cos = tl.load(f_ptr + 2 * ri).to(tl.float32)  # [D/2]
             sin = tl.load(f_ptr + 2 * ri + 1).to(tl.float32)
             if PDL:
@@ -1569,9 +1570,10 @@ def _decode_attention_launch(
     n_head: int = 0,
     config: dict | None = None,
 ) -> Tensor:
-    # q [B, H, 1, D] rotated, the cache written -> [B, H, 1, D]. With freqs_cis [B|1, 1, D/2, 2]:
-    # q is the fused projection [B, 1, (n_head + 2 H_kv) * D] as wqkv gives it, rotated and
-    # written to the cache here -> [B, 1, n_head * D], as Attention.attend_qkv returns.
+    # q [B, H, 1, D] rotated, the cache written -> [B, H, 1, D]. With the rotary table
+    # freqs_cis [S, D/2, 2]: q is the fused projection [B, 1, (n_head + 2 H_kv) * D] as wqkv
+    # gives it, rotated by the table's row input_pos and written to the cache here
+    # -> [B, 1, n_head * D], as Attention.attend_qkv returns for unpadded rows.
     # config: launch parameters (CHUNK, BLOCK_S, num_warps, num_stages) in place of the
     # defaults, as scripts/bench.py --sweep tries them.
     qkv = freqs_cis is not None
@@ -1594,7 +1596,7 @@ def _decode_attention_launch(
         q, k_cache, v_cache, input_pos, acc, ml, D**-0.5,
         q.stride(0), 0 if qkv else q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out, H_kv, n_split, f, f.stride(0) if qkv and f.shape[0] > 1 else 0,
+        out, H_kv, n_split, f,
         GROUP=group, GROUP_PAD=group_pad, D=D, CHUNK=chunk, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QKV=qkv,
         **cfg, **dependent_launch(q),
@@ -1965,18 +1967,21 @@ class FusedBlock(nn.Module):
     # layer, where the plain block needs about three times as many kernels. A Mixture-of-Experts
     # block fuses its attention half alike, and decoding runs its feed-forward as three GEMVs
     # (moe_feed_forward); otherwise its router and experts run as MOEFeedForward does.
-    def forward(self, x: Tensor, freqs_cis: Tensor, mask, input_pos: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, freqs_cis: Tensor, rope_pos: Tensor, mask, input_pos: Tensor
+    ) -> Tensor:
         attn, ff = self.attention, self.feed_forward
         anorm, fnorm = self.attention_norm, self.ffn_norm
         qkv = attn.wqkv(x, norm_weight=anorm.weight, eps=anorm.eps)
         if qkv.is_cuda and takes_decode_attention(qkv.shape[1], mask, attn.head_dim):
-            # one new token, no padding: rotary embedding and the cache write in the kernel
+            # one new token, no padding (rope_pos is input_pos): rotary embedding and the
+            # cache write in the kernel
             cache = attn.kv_cache
             y = torch.ops.fastgen.decode_attention_qkv(
                 qkv, freqs_cis, cache.k_cache, cache.v_cache, input_pos, attn.n_head
             )  # fmt: skip
         else:
-            y = attn.attend_qkv(qkv, freqs_cis, mask, input_pos)
+            y = attn.attend_qkv(qkv, freqs_cis, rope_pos, mask, input_pos)
         h = attn.wo(y, residual=x)
         if hasattr(ff, "run_experts"):
             if routes_in_gemv(ff, h):

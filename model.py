@@ -361,21 +361,34 @@ class Attention(nn.Module):
         self.attend = sdpa_attention  # kernels.use_kernels swaps in a flash-decoding kernel
 
     def forward(
-        self, x: Tensor, freqs_cis: Tensor, mask: Tensor | None, input_pos: Tensor
+        self,
+        x: Tensor,
+        freqs_cis: Tensor,
+        rope_pos: Tensor,
+        mask: Tensor | None,
+        input_pos: Tensor,
     ) -> Tensor:
-        return self.wo(self.attend_qkv(self.wqkv(x), freqs_cis, mask, input_pos))
+        return self.wo(self.attend_qkv(self.wqkv(x), freqs_cis, rope_pos, mask, input_pos))
 
     def attend_qkv(
-        self, qkv: Tensor, freqs_cis: Tensor, mask: Tensor | None, input_pos: Tensor
+        self,
+        qkv: Tensor,
+        freqs_cis: Tensor,
+        rope_pos: Tensor,
+        mask: Tensor | None,
+        input_pos: Tensor,
     ) -> Tensor:
         # qkv [B, T, (n_head + 2 * n_kv_heads) * head_dim] -> attention output [B, T, q_dim]:
-        # rotary embeddings, the cache write at input_pos, attention over the cache.
+        # rotary embeddings at rope_pos [B|1, T] (angles: the table freqs_cis
+        # [max_seq_len, head_dim/2, 2]), the cache write at input_pos [T], attention over the
+        # cache.
         B, T, _ = qkv.shape
         q_dim = self.n_head * self.head_dim
         kv_dim = self.n_kv_heads * self.head_dim
         q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = apply_rotary_emb(q.view(B, T, self.n_head, self.head_dim), freqs_cis)
-        k = apply_rotary_emb(k.view(B, T, self.n_kv_heads, self.head_dim), freqs_cis)
+        angles = freqs_cis[rope_pos]  # [B|1, T, head_dim/2, 2]
+        q = apply_rotary_emb(q.view(B, T, self.n_head, self.head_dim), angles)
+        k = apply_rotary_emb(k.view(B, T, self.n_kv_heads, self.head_dim), angles)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, head_dim]
         k, v = self.kv_cache.update(input_pos, k, v)  # [B, n_kv_heads, max_seq_len, head_dim]
@@ -428,9 +441,14 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
     def forward(
-        self, x: Tensor, freqs_cis: Tensor, mask: Tensor | None, input_pos: Tensor
+        self,
+        x: Tensor,
+        freqs_cis: Tensor,
+        rope_pos: Tensor,
+        mask: Tensor | None,
+        input_pos: Tensor,
     ) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, mask, input_pos)
+        h = x + self.attention(self.attention_norm(x), freqs_cis, rope_pos, mask, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -477,15 +495,17 @@ class Transformer(nn.Module):
         assert self.max_seq_len > 0, "call setup_caches() first"
         k_pos = torch.arange(self.max_seq_len, device=idx.device)
         mask = k_pos[None, :] <= input_pos[:, None]  # [T, S] causal over cache slots
+        # The layers look the rotary angles up by position themselves: the decode kernel reads
+        # its row of the table, where a gathered [1, T, head_dim/2, 2] would be one more
+        # kernel (Inductor copies a computed input for each custom op call that takes it).
         if pad is None:
-            freqs_cis = self.freqs_cis[input_pos][None]  # [1, T, head_dim/2, 2]
+            rope_pos = input_pos[None]  # [1, T]
         else:
             # Pad slots stay visible to themselves only, so their rows never go NaN.
             not_pad = k_pos[None, None, :] >= pad[:, None, None]  # [B, 1, S]
             self_slot = k_pos[None, :] == input_pos[:, None]  # [T, S]
             mask = (mask & (not_pad | self_slot))[:, None]  # [B, 1, T, S]
             rope_pos = (input_pos[None, :] - pad[:, None]).clamp(min=0)  # [B, T]
-            freqs_cis = self.freqs_cis[rope_pos]  # [B, T, head_dim/2, 2]
         if from_zero and pad is None:
             mask = None
         elif idx.device.type == "cpu":
@@ -494,7 +514,7 @@ class Transformer(nn.Module):
             mask = zero.masked_fill(~mask, -float("inf"))
         x = self.tok_embeddings(idx)  # [B, T, dim]
         for layer in self.layers:
-            x = layer(x, freqs_cis, mask, input_pos)
+            x = layer(x, self.freqs_cis, rope_pos, mask, input_pos)
         if last_logits_only:
             x = x[:, -1:]
         return self.output(self.norm(x))  # [B, T or 1, vocab]

@@ -481,9 +481,9 @@ def test_decode_attention_from_qkv_equals_attend_qkv(B, H, H_kv, S, pos):
     k_cache, v_cache = attn.kv_cache.k_cache.clone(), attn.kv_cache.v_cache.clone()
     qkv = torch.randn(B, 1, (H + 2 * H_kv) * D, device=DEVICE, dtype=dtype)
     ip = torch.tensor([pos], device=DEVICE)
-    freqs = precompute_freqs_cis(S, D, 500000.0).to(DEVICE)[ip][None]  # [1, 1, D/2, 2]
+    freqs = precompute_freqs_cis(S, D, 500000.0).to(DEVICE)  # [S, D/2, 2]
     mask = torch.arange(S, device=DEVICE)[None, :] <= ip[:, None]
-    ref = attn.attend_qkv(qkv, freqs, mask, ip)  # writes attn.kv_cache
+    ref = attn.attend_qkv(qkv, freqs, ip[None], mask, ip)  # writes attn.kv_cache
     poison()
     got = kernels._decode_attention_launch(qkv, k_cache, v_cache, ip, freqs, H)
     tol = 2e-2 if GPU else 1e-5
