@@ -654,8 +654,8 @@ def attention_case(c: ModelArgs, slots, pos, device, bandwidth, sweep) -> dict |
     caches = [(torch.randn(shape, device=device, dtype=dtype),
                torch.randn(shape, device=device, dtype=dtype)) for _ in range(copies)]  # fmt: skip
     qkv = torch.randn(1, 1, (H + 2 * H_kv) * D, device=device, dtype=dtype)
-    angle = torch.rand(1, 1, D // 2, device=device) * 6.28
-    freqs = torch.stack([angle.cos(), angle.sin()], dim=-1)  # [1, 1, D/2, 2]
+    angle = torch.rand(slots, D // 2, device=device) * 6.28
+    freqs = torch.stack([angle.cos(), angle.sin()], dim=-1)  # the rotary table [slots, D/2, 2]
     input_pos = torch.tensor([pos], device=device)
     nbytes = 2 * H_kv * (pos + 1) * D * elt
 
