@@ -156,6 +156,32 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
 
     @triton.jit
+    def _prefetch_first_step(
+        w_ptr, stride_wn, N, K, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+    ):  # fmt: skip
+        # Asks L2 for the weights of this program's first step (rows pid_n * BLOCK_N.., k from
+        # its split's start), one prefetch per 128-byte line, before _dependent_launch's wait:
+        # the weights never depend on the kernel before, and while its last programs finish,
+        # the memory bus has room. The Gluon kernels and decode attention load their first
+        # step before the wait alike (into registers).
+        BITS: tl.constexpr = (
+            4 if FMT == 2 else (8 if FMT != 0 else w_ptr.dtype.element_ty.primitive_bitwidth)
+        )
+        ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # stride_wn's unit
+        LINES: tl.constexpr = (BLOCK_K * BITS // 8 + 127) // 128
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_lo = tl.program_id(1) * (tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K)
+        rl = tl.arange(0, LINES)
+        row = rn.to(tl.int64) * stride_wn * ELT + k_lo * BITS // 8  # [BLOCK_N] byte offsets
+        ptrs = w_ptr.to(tl.pointer_type(tl.int8)) + row[:, None] + 128 * rl[None, :]
+        ok = (rn < N)[:, None] & (k_lo + rl * (1024 // BITS) < K)[None, :]
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @triton.jit
     def _load_x(x_ptr, off, mask, k_idx, nw_ptr, rstd, K, NORM: tl.constexpr, GLU: tl.constexpr):
         # The GEMV's input, with its prologue applied: x, or silu(gate) * up when the input row
         # is [gate (K) | up (K)], or x * rstd * norm_weight (RMSNorm; rstd 1 where the caller
@@ -439,6 +465,8 @@ if triton is not None:
         # expert is e_ptr[row], or with TOPK the (row % TOPK)-th pick of router logits e_ptr
         # [rows / TOPK, n_experts]. MIX: program_id(2) a token, and its row is the sum of its
         # TOPK picks' rows (x rows token * TOPK + j), each times its routing weight.
+        if PDL and BLOCK_M == 1 and not EXPERTS:  # an expert's rows may come from the router
+            _prefetch_first_step(w_ptr, stride_wn, N, K, FMT, BLOCK_N, BLOCK_K, SPLIT_K)
         _dependent_launch(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
