@@ -201,12 +201,11 @@ def generate(
     done = [False] * B
     out = [token]
     read = read_later(token[:, 0]) if watch else None
-    # every step's slot at once: a view per step, where `pos += 1` was one more kernel a step
-    positions = torch.arange(start_pos + T, start_pos + T + max_new_tokens, device=device)
-    for i in range(max_new_tokens - 1):
+    pos = torch.tensor([start_pos + T], device=device)
+    for _ in range(max_new_tokens - 1):
         # Launch step i+1 before looking at token i on the host, so the check overlaps the GPU.
-        pos = positions[i : i + 1]
         nxt = decode_fn(model, token, pos, pad, **sampling).clone()  # CUDA graphs reuse outputs
+        pos += 1
         if watch:
             read_nxt = read_later(nxt[:, 0])
             ids = read()  # waits for step i only, not for step i+1 queued behind it
