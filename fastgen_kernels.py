@@ -1748,7 +1748,6 @@ if triton is not None:
     def _top_k_sample_kernel(
         x_ptr, m_ptr, cnt_ptr, cv_ptr, ci_ptr, seed_ptr, out_ptr, V, n_chunks, stride_x, top_k,
         temperature, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, CAP: tl.constexpr,
-        SPLIT: tl.constexpr,
     ):  # fmt: skip
         # x [B, V]; m [B, n_chunks] chunk maxima; cnt [B, 2] zeroed; cv, ci [B, V] room for the
         # candidates' values and tokens; seed [B] -> out [B, 1] the drawn tokens
@@ -1778,28 +1777,20 @@ if triton is not None:
             # the first CAP candidates stay in registers; any more load again in each pass
             cand = tl.load(cv_ptr + r, mask=ok, other=float("-inf"), cache_modifier=".cg")
             key = _order_key(cand)
-            # The k-th largest key: the largest t with at least top_k keys >= t, in [lo, hi].
-            # Invariant: at least top_k keys >= lo, fewer than top_k >= hi + 1. Each pass counts
-            # the keys at SPLIT thresholds spread over the interval at once and keeps the part
-            # between the last threshold that holds top_k and the next one: about 6 passes
-            # where bisection took about 24. A pass costs the latency of its block-wide
-            # reductions (one round for all SPLIT counts), not its compares.
+            # the k-th largest key: the largest t with at least top_k keys >= t
             lo = _order_key(t0).to(tl.int64)
             hi = _order_key(tl.max(tl.where(c < n_chunks, m, float("-inf")), axis=0))
             hi = hi.to(tl.int64)
-            tj = (tl.arange(0, SPLIT) + 1).to(tl.int64)
             while lo < hi:
-                t = lo + tj * tl.maximum((hi - lo) // (SPLIT + 1), 1)  # [SPLIT], rising
-                count = tl.sum((ok[None, :] & (key[None, :] >= t[:, None])).to(tl.int32), axis=1)
+                mid = lo + (hi - lo + 1) // 2
+                count = tl.sum((ok & (key >= mid)).to(tl.int32), axis=0)
                 for start in range(CAP, n, CAP):
                     rs = start + r
                     more = tl.load(cv_ptr + rs, mask=rs < n, other=float("-inf"),
                                    cache_modifier=".cg")  # fmt: skip
-                    hit = (rs < n)[None, :] & (_order_key(more)[None, :] >= t[:, None])
-                    count += tl.sum(hit.to(tl.int32), axis=1)
-                good = count >= top_k  # a prefix of the thresholds: counts fall as t rises
-                lo = tl.max(tl.where(good, t, lo), axis=0)
-                hi = tl.minimum(hi, tl.min(tl.where(good, hi + 1, t), axis=0) - 1)
+                    count += tl.sum(((rs < n) & (_order_key(more) >= mid)).to(tl.int32), axis=0)
+                lo = tl.where(count >= top_k, mid, lo)
+                hi = tl.where(count >= top_k, hi, mid - 1)
             tok = tl.load(ci_ptr + r, mask=ok, other=0, cache_modifier=".cg")
             best, token = _gumbel_race(cand, tok, ok & (key >= lo), seed, temperature)
             for start in range(CAP, n, CAP):
@@ -1813,17 +1804,10 @@ if triton is not None:
 
 
 def _sample_top_k_launch(
-    logits: Tensor,
-    seeds: Tensor,
-    temperature: float,
-    top_k: int,
-    block: int = 4096,
-    cap: int = TOP_K_CAP,
-    split: int = 16,
+    logits: Tensor, seeds: Tensor, temperature: float, top_k: int, block=4096, cap=TOP_K_CAP
 ) -> Tensor:
     # logits [B, V] (any float dtype, rows may be strided), seeds [B] int32 -> tokens [B, 1].
-    # block: values per program of the second kernel; cap: TOP_K_CAP (tests make both small);
-    # split: thresholds per pass of the k-th largest's search (a power of two; 1: bisection).
+    # block: values per program of the second kernel; cap: TOP_K_CAP (tests make both small).
     B, V = logits.shape
     chunk = top_k_chunk(V, top_k)
     n_chunks = triton.cdiv(V, chunk)
@@ -1840,7 +1824,7 @@ def _sample_top_k_launch(
     _top_k_sample_kernel[(B, triton.cdiv(V, block))](
         logits, m, counters, cand_v, cand_i, seeds, out, V, n_chunks, logits.stride(0), top_k,
         temperature, BLOCK=block, CHUNKS_PAD=triton.next_power_of_2(n_chunks), CAP=cap,
-        SPLIT=split, num_warps=8,
+        num_warps=8,
     )  # fmt: skip
     return out
 
