@@ -2022,19 +2022,9 @@ class FusedBlock(nn.Module):
         return ff.w2(gate_up, glu=True, residual=h)
 
 
-def fused_head(norm: nn.Module, output: nn.Module, x: Tensor) -> Tensor:
-    # model.Transformer's `head` hook: the final RMSNorm in the output GEMV's prologue, so that
-    # no Inductor kernel (launched without PDL) sits between the last layer and the output
-    # layer and the output's first weights load early. x [..., dim] -> logits [..., vocab]
-    if isinstance(output, GemvLinear):
-        return output(x, norm_weight=norm.weight, eps=norm.eps)
-    return output(norm(x))
-
-
 def use_kernels(model: nn.Module) -> nn.Module:
     # On CUDA: every linear gemv can run becomes a GemvLinear, each TransformerBlock a
-    # FusedBlock, attention over the cache the split kernel and the final norm the output
-    # GEMV's prologue. Returns the model, changed.
+    # FusedBlock, and attention over the cache the split kernel. Returns the model, changed.
     if triton is None:
         return model
     for module in list(model.modules()):
@@ -2046,8 +2036,6 @@ def use_kernels(model: nn.Module) -> nn.Module:
                 setattr(module, child_name, GemvLinear(child, *fmt))
         if hasattr(module, "attend"):
             module.attend = attend
-        if hasattr(module, "head"):
-            module.head = fused_head
         if hasattr(module, "run_experts") and all(
             expert_format(m) is not None for m in (module.w13, module.w2)
         ):

@@ -464,7 +464,6 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = -1
         self.max_seq_len = -1
-        self.head = norm_and_output  # kernels.use_kernels swaps in the norm fused into the GEMV
 
     def setup_caches(self, max_batch_size: int, max_seq_len: int):
         if self.max_batch_size >= max_batch_size and self.max_seq_len == max_seq_len:
@@ -518,12 +517,7 @@ class Transformer(nn.Module):
             x = layer(x, self.freqs_cis, rope_pos, mask, input_pos)
         if last_logits_only:
             x = x[:, -1:]
-        return self.head(self.norm, self.output, x)  # [B, T or 1, vocab]
-
-
-def norm_and_output(norm: nn.Module, output: nn.Module, x: Tensor) -> Tensor:
-    # The final RMSNorm and the output head: x [..., dim] -> logits [..., vocab]
-    return output(norm(x))
+        return self.output(self.norm(x))  # [B, T or 1, vocab]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -506,7 +506,6 @@ def test_model_with_kernels_matches_plain(experts):
     fast = random_model(**cfg).to(DEVICE)
     kernels.use_kernels(fast)
     assert all(isinstance(layer, kernels.FusedBlock) for layer in fast.layers)
-    assert fast.head is kernels.fused_head and isinstance(fast.output, kernels.GemvLinear)
     if not GPU:
         # use_kernels routes through the references on CPU; call the Triton code directly.
         def attend(q, k, v, mask, pos):
