@@ -2025,6 +2025,11 @@ class FusedBlock(nn.Module):
 def use_kernels(model: nn.Module) -> nn.Module:
     # On CUDA: every linear gemv can run becomes a GemvLinear, each TransformerBlock a
     # FusedBlock, and attention over the cache the split kernel. Returns the model, changed.
+    # The final RMSNorm stays Inductor's kernel: fused into the output GEMV, it hangs torch
+    # 2.11's compile. Inductor logs a custom op's arguments the first time it meets the op,
+    # building the string eagerly, and sample_top_k comes last: its logits' string would recurse
+    # through every layer's custom ops (2^layers paths: each layer's output feeds two). The
+    # norm, a Pointwise that prints only its ranges, cuts that chain.
     if triton is None:
         return model
     for module in list(model.modules()):
