@@ -749,6 +749,7 @@ def sweep_configs(fmt, N, K, groupsize=32, experts=0):
     triton_default = {k: v for k, v in default.items() if k != "GLUON"}  # no Gluon kernel
     configs += [dict(triton_default, STAGES=s) for s in (1, 2, 3, 4)
                 if s != default["STAGES"] or "GLUON" in default]  # fmt: skip
+    configs.append(dict(triton_default, PREFETCH=True))  # first step asked of L2 early
     if fmt == kernels.INT8:  # one-row int4 has the word path only
         configs.append(dict(triton_default, WORDS=False))
     if not experts and kernels.gluon is not None:
