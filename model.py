@@ -441,13 +441,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
     def forward(
-        self,
-        x: Tensor,
-        freqs_cis: Tensor,
-        rope_pos: Tensor,
-        mask: Tensor | None,
+        self, x: Tensor, freqs_cis: Tensor, rope_pos: Tensor, mask: Tensor | None,
         input_pos: Tensor,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         h = x + self.attention(self.attention_norm(x), freqs_cis, rope_pos, mask, input_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
