@@ -157,26 +157,21 @@ if triton is not None:
 
     @triton.jit
     def _prefetch_first_step(
-        w_ptr, stride_wn, N, K, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr,
-    ):  # fmt: skip
-        # Asks L2 for the weights of this program's first step (rows pid_n * BLOCK_N.., k from
-        # its split's start), one prefetch per 128-byte line, before _dependent_launch's wait:
-        # the weights never depend on the kernel before, and while its last programs finish,
-        # the memory bus has room. The Gluon kernels and decode attention load their first
-        # step before the wait alike (into registers). The launch option PREFETCH: it ran in
-        # the GPU tests (H100) but has not been timed, so no default asks for it yet.
-        BITS: tl.constexpr = (
-            4 if FMT == 2 else (8 if FMT != 0 else w_ptr.dtype.element_ty.primitive_bitwidth)
-        )
+        w_ptr, stride_wn, rn, n_ok, k_lo, k_hi, FMT: tl.constexpr, BLOCK_K: tl.constexpr
+    ):
+        # Asks L2 for the weights of this program's first step (rows rn, k from k_lo), one
+        # prefetch per 128-byte line, before _dependent_launch's wait: the weights never depend
+        # on the kernel before, and while its last programs finish, the memory bus has room.
+        # The Gluon kernels and decode attention load their first step before the wait alike
+        # (into registers). The launch option PREFETCH: it ran in the GPU tests (H100) but has
+        # not been timed, so no default asks for it yet.
         ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # stride_wn's unit
+        BITS: tl.constexpr = 4 if FMT == 2 else (8 if FMT != 0 else 8 * ELT)  # per weight
         LINES: tl.constexpr = (BLOCK_K * BITS // 8 + 127) // 128
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_lo = tl.program_id(1) * (tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K)
         rl = tl.arange(0, LINES)
         row = rn.to(tl.int64) * stride_wn * ELT + k_lo * BITS // 8  # [BLOCK_N] byte offsets
         ptrs = w_ptr.to(tl.pointer_type(tl.int8)) + row[:, None] + 128 * rl[None, :]
-        ok = (rn < N)[:, None] & (k_lo + rl * (1024 // BITS) < K)[None, :]
+        ok = n_ok[:, None] & (k_lo + rl * (1024 // BITS) < k_hi)[None, :]
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
             "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
@@ -466,11 +461,16 @@ if triton is not None:
         # expert is e_ptr[row], or with TOPK the (row % TOPK)-th pick of router logits e_ptr
         # [rows / TOPK, n_experts]. MIX: program_id(2) a token, and its row is the sum of its
         # TOPK picks' rows (x rows token * TOPK + j), each times its routing weight.
-        if PREFETCH and PDL and BLOCK_M == 1 and not EXPERTS:  # experts: picked by the router
-            _prefetch_first_step(w_ptr, stride_wn, N, K, FMT, BLOCK_N, BLOCK_K, SPLIT_K)
-        _dependent_launch(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        if PREFETCH and PDL and BLOCK_M == 1 and not EXPERTS:  # experts: picked by the router
+            _prefetch_first_step(w_ptr, stride_wn, rn, n_ok, k_lo, k_hi, FMT, BLOCK_K)
+        _dependent_launch(PDL)
         if EXPERTS:
             row = tl.program_id(2)
             r_ptr += row * stride_rm
@@ -485,15 +485,10 @@ if triton is not None:
                 w_ptr += e * stride_we
                 s_ptr += e * stride_se
                 z_ptr += e * stride_se
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         # Without experts, program_id(2) picks a tile of BLOCK_M rows (prefill-sized inputs).
         rm = (0 if EXPERTS else tl.program_id(2) * BLOCK_M) + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
-        n_ok = rn < N
         m_ok = rm < M
-        k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_lo = pid_k * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
         # RMSNorm with one row: its rstd is a scalar and the products are linear in x, so x *
         # norm_weight goes in and rstd multiplies the finished sums; the sum of squares for it
         # is gathered as x loads, with no pass over x before the weights are read (that pass
