@@ -156,18 +156,19 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
 
     @triton.jit
-    def _prefetch_first_step(
-        w_ptr, stride_wn, rn, n_ok, k_lo, k_hi, FMT: tl.constexpr, BLOCK_K: tl.constexpr
-    ):
-        # Asks L2 for the weights of this program's first step (rows rn, k from k_lo), one
-        # prefetch per 128-byte line, before _dependent_launch's wait: the weights never depend
-        # on the kernel before, and while its last programs finish, the memory bus has room.
-        # The Gluon kernels and decode attention load their first step before the wait alike
-        # (into registers). The launch option PREFETCH: it ran in the GPU tests (H100) but has
-        # not been timed, so no default asks for it yet.
+    def _prefetch_steps(
+        w_ptr, stride_wn, rn, n_ok, k_lo, k_hi, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
+        STEPS: tl.constexpr,
+    ):  # fmt: skip
+        # Asks L2 for the weights of this program's first STEPS steps (rows rn, k from k_lo, a
+        # power of two), one prefetch per 128-byte line, before _dependent_launch's wait: the
+        # weights never depend on the kernel before, and while its last programs finish, the
+        # memory bus has room. The Gluon kernels and decode attention load their first step
+        # before the wait alike (into registers). The launch option PREFETCH (steps): it ran in
+        # the GPU tests (H100) but has not been timed, so no default asks for it yet.
         ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # stride_wn's unit
         BITS: tl.constexpr = 4 if FMT == 2 else (8 if FMT != 0 else 8 * ELT)  # per weight
-        LINES: tl.constexpr = (BLOCK_K * BITS // 8 + 127) // 128
+        LINES: tl.constexpr = (STEPS * BLOCK_K * BITS // 8 + 127) // 128
         rl = tl.arange(0, LINES)
         row = rn.to(tl.int64) * stride_wn * ELT + k_lo * BITS // 8  # [BLOCK_N] byte offsets
         ptrs = w_ptr.to(tl.pointer_type(tl.int8)) + row[:, None] + 128 * rl[None, :]
@@ -469,7 +470,7 @@ if triton is not None:
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
         if PREFETCH and PDL and BLOCK_M == 1 and not EXPERTS:  # experts: picked by the router
-            _prefetch_first_step(w_ptr, stride_wn, rn, n_ok, k_lo, k_hi, FMT, BLOCK_K)
+            _prefetch_steps(w_ptr, stride_wn, rn, n_ok, k_lo, k_hi, FMT, BLOCK_K, PREFETCH)
         _dependent_launch(PDL)
         if EXPERTS:
             row = tl.program_id(2)
@@ -1291,9 +1292,11 @@ def _gemv_launch(
     # STAGES: how many K steps the loop keeps loading ahead (cp.async into shared memory);
     # a plain loop (1) for the row tiles, whose tl.dot loads Triton pipelines by num_stages.
     stages = cfg.pop("STAGES", 1 if cfg["BLOCK_M"] == 1 else cfg["num_stages"])
-    # PREFETCH: one row's programs ask L2 for their first step's weights before the wait on
-    # the kernel before (_prefetch_first_step). Opt-in: ran in GPU tests, not timed yet.
-    prefetch = cfg.pop("PREFETCH", False)
+    # PREFETCH (steps, a power of two): one row's programs ask L2 for their first steps'
+    # weights before the wait on the kernel before (_prefetch_steps). Opt-in: not timed yet.
+    prefetch = int(cfg.pop("PREFETCH", 0))
+    if prefetch & (prefetch - 1):
+        raise ValueError(f"PREFETCH must be a power of two, got {prefetch}")
     if words is None:  # one row and a word-aligned quantized weight: the 32-bit-word path
         words = fmt in (INT8, INT4) and cfg["BLOCK_M"] == 1 and aligned
     if fmt == INT4 and cfg["BLOCK_M"] == 1 and not (words and aligned):

@@ -749,7 +749,8 @@ def sweep_configs(fmt, N, K, groupsize=32, experts=0):
     triton_default = {k: v for k, v in default.items() if k != "GLUON"}  # no Gluon kernel
     configs += [dict(triton_default, STAGES=s) for s in (1, 2, 3, 4)
                 if s != default["STAGES"] or "GLUON" in default]  # fmt: skip
-    configs.append(dict(triton_default, PREFETCH=True))  # first step asked of L2 early
+    # the first steps' weights asked of L2 before the wait on the kernel before
+    configs += [dict(triton_default, PREFETCH=steps) for steps in (1, 2, 4, 8)]
     if fmt == kernels.INT8:  # one-row int4 has the word path only
         configs.append(dict(triton_default, WORDS=False))
     if not experts and kernels.gluon is not None:

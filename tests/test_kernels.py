@@ -152,10 +152,12 @@ def test_gluon_is_the_default_where_it_measured_faster():
 
 @pytest.mark.parametrize("fmt", sorted(FMTS))
 @pytest.mark.parametrize("split_k", [1, 3])
-def test_gemv_prefetch_option_matches_reference(fmt, split_k):
-    # PREFETCH (opt-in): on the GPU each program asks L2 for its first step's weights before
-    # the wait on the kernel before; rows and K not whole steps, splits over K, so the masks of
-    # the prefetch addresses matter. The interpreter has no PTX: on CPU the option only plumbs.
+@pytest.mark.parametrize("steps", [1, 4])
+def test_gemv_prefetch_option_matches_reference(fmt, split_k, steps):
+    # PREFETCH (opt-in): on the GPU each program asks L2 for its first steps' weights before
+    # the wait on the kernel before; rows and K not whole steps, splits over K (4 steps reach
+    # past a split's end), so the masks of the prefetch addresses matter. The interpreter has
+    # no PTX: on CPU the option only plumbs.
     torch.manual_seed(5)
     N, K = 50, 768 if fmt == "int4" else 700
     w = make(FMTS[fmt], N, K)
@@ -164,8 +166,10 @@ def test_gemv_prefetch_option_matches_reference(fmt, split_k):
     ref = kernels.gemv_reference(x, fmt=FMTS[fmt], **w, **fused)
     cfg = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=split_k, num_warps=4, num_stages=2)
     poison()
-    got = kernels.gemv(x, fmt=FMTS[fmt], config=dict(cfg, PREFETCH=True), **w, **fused)
+    got = kernels.gemv(x, fmt=FMTS[fmt], config=dict(cfg, PREFETCH=steps), **w, **fused)
     torch.testing.assert_close(got, ref, atol=1e-3 * ref.abs().max().item(), rtol=1e-3)
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.gemv(x, fmt=FMTS[fmt], config=dict(cfg, PREFETCH=3), **w, **fused)
 
 
 def bench_module():
