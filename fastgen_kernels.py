@@ -155,6 +155,11 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
 
+    # ask L2 for the 128-byte line at address $1 where $2 != 0 ($0: a dummy result)
+    PREFETCH_L2_ASM = tl.constexpr(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }"
+    )
+
     @triton.jit
     def _prefetch_steps(
         w_ptr, stride_wn, rn, n_ok, k_lo, k_hi, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -174,8 +179,8 @@ if triton is not None:
         ptrs = w_ptr.to(tl.pointer_type(tl.int8)) + row[:, None] + 128 * rl[None, :]
         ok = n_ok[:, None] & (k_lo + rl * (1024 // BITS) < k_hi)[None, :]
         tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+            PREFETCH_L2_ASM, "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
+            pack=1,
         )  # fmt: skip
 
     @triton.jit
@@ -705,6 +710,33 @@ if gluon is not None:
             gl.inline_asm_elementwise(asm, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         return gl.program_id(0)
 
+    @gluon.constexpr_function
+    def _gl_line_layout(LINES, num_warps):
+        # [rows, LINES] 128-byte lines, a warp across min(LINES, 32) lines of 32 / that rows
+        t = min(LINES, 32)
+        return gl.BlockedLayout([1, 1], [32 // t, t], [num_warps, 1], [1, 0])
+
+    @gluon.jit
+    def _gl_prefetch_rows(
+        w_ptr, stride_wn, row0, n_end, lo, hi, ROWS: gl.constexpr, LINES: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+    ):  # fmt: skip
+        # Asks L2 for bytes [lo, hi) of weight rows row0.. row0 + ROWS (those below n_end), one
+        # prefetch per 128-byte line, lines from lo (LINES of them, a power of two): as
+        # _prefetch_steps does for the Triton GEMV, the steps after the first, which the Gluon
+        # kernels load into registers before the wait.
+        L: gl.constexpr = _gl_line_layout(LINES, NUM_WARPS)
+        ELT: gl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # stride_wn's unit
+        r = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L))
+        c = lo + 128 * gl.arange(0, LINES, layout=gl.SliceLayout(0, L))
+        row = gl.expand_dims(r.to(gl.int64) * stride_wn * ELT, 1)  # [ROWS, 1] byte offsets
+        ptrs = w_ptr.to(gl.pointer_type(gl.int8)) + row + gl.expand_dims(c, 0)
+        ok = gl.expand_dims(r < n_end, 1) & gl.expand_dims(c < hi, 0)
+        gl.inline_asm_elementwise(
+            PREFETCH_L2_ASM, "=r,l,r", [ptrs, ok.to(gl.int32)], dtype=gl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
+
     @gluon.jit
     def _gl_pdl_wait():
         gl.inline_asm_elementwise(
@@ -813,6 +845,7 @@ if gluon is not None:
         x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn, stride_sn,
         G: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
         BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+        PREFETCH: gl.constexpr,
     ):  # fmt: skip
         NB: gl.constexpr = 32 * NUM_WARPS  # blocks of 32 k per step: one per thread
         BLOCK_K: gl.constexpr = 32 * NB
@@ -837,6 +870,10 @@ if gluon is not None:
         sg_ok = n_ok2 & gl.expand_dims(rb * 32 < K, 0)
         s = gl.load(s_ptr + g_off, mask=sg_ok, other=0)
         z = gl.load(z_ptr + g_off, mask=sg_ok, other=0)
+        if PREFETCH:  # and the next PREFETCH steps' weights asked of L2
+            lines: gl.constexpr = PREFETCH * NB // 8
+            _gl_prefetch_rows(w_ptr, stride_wn, row0, N, 16 * NB, K // 2, BLOCK_N, lines,
+                              NUM_WARPS)  # fmt: skip
         if PDL:
             _gl_pdl_wait()
         if RESIDUAL:
@@ -872,6 +909,7 @@ if gluon is not None:
         x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn, stride_sn,
         G: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
         BLOCK_N: gl.constexpr, TILES: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+        PREFETCH: gl.constexpr,
     ):  # fmt: skip
         # _int4_row_gluon for wide weights with short rows (K <= 1024 * NUM_WARPS, one step):
         # x is loaded and rounded to int8 once, then the program takes TILES tiles of BLOCK_N
@@ -894,6 +932,9 @@ if gluon is not None:
         sg_ok = gl.expand_dims(rn < row_end, 1) & b_ok2
         s = gl.load(s_ptr + g_off, mask=sg_ok, other=0)
         z = gl.load(z_ptr + g_off, mask=sg_ok, other=0)
+        if PREFETCH:  # and the other tiles' weights asked of L2 (K / 2 bytes: one step)
+            _gl_prefetch_rows(w_ptr, stride_wn, row0 + BLOCK_N, row_end, 0, K // 2,
+                              TILES * BLOCK_N, 4 * NUM_WARPS, NUM_WARPS)  # fmt: skip
         if PDL:
             _gl_pdl_wait()
         if RESIDUAL:
@@ -945,6 +986,7 @@ if gluon is not None:
         x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn,
         NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
         BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+        PREFETCH: gl.constexpr,
     ):  # fmt: skip
         # One row against int8 rows (per-row scales), the layouts as in _int4_row_gluon: each
         # thread owns one block of 16 k, its 4 weight words (16 bytes) of every row and the same
@@ -966,6 +1008,9 @@ if gluon is not None:
 
         # The first step's weights do not depend on the kernel before: they load before the wait.
         w = gl.load(w_rows, mask=n_ok3 & (rb3 * 16 < K), other=0)
+        if PREFETCH:  # and the next PREFETCH steps' weights asked of L2
+            lines: gl.constexpr = PREFETCH * NB // 8
+            _gl_prefetch_rows(w_ptr, stride_wn, row0, N, 16 * NB, K, BLOCK_N, lines, NUM_WARPS)
         if PDL:
             _gl_pdl_wait()
         if RESIDUAL:
@@ -1009,6 +1054,7 @@ if gluon is not None:
         x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn,
         FP8: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
         VEC: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+        PREFETCH: gl.constexpr,
     ):  # fmt: skip
         # One row against float rows (bfloat16, float16, float32, or float8 bytes with per-row
         # scales), the layouts as in _int4_row_gluon: each thread owns one block of VEC k (16
@@ -1030,6 +1076,11 @@ if gluon is not None:
 
         # The first step's weights do not depend on the kernel before: they load before the wait.
         w = gl.load(w_rows, mask=n_ok3 & (rb3 * VEC < K), other=0)
+        if PREFETCH:  # and the next PREFETCH steps' weights asked of L2 (16 bytes per block)
+            lines: gl.constexpr = PREFETCH * NB // 8
+            row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            _gl_prefetch_rows(w_ptr, stride_wn, row0, N, 16 * NB, row_bytes, BLOCK_N, lines,
+                              NUM_WARPS)  # fmt: skip
         if PDL:
             _gl_pdl_wait()
         if RESIDUAL:
@@ -1272,9 +1323,15 @@ def _gemv_launch(
         cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
     # GLUON (rows, warps[, row tiles]): a Gluon kernel instead, where one takes the shape
     gl_cfg = cfg.pop("GLUON", None)
+    # PREFETCH (steps, a power of two): one row's programs ask L2 for the weights of their
+    # first steps (Gluon: of the steps after the first, which it loads) before the wait on the
+    # kernel before (_prefetch_steps, _gl_prefetch_rows). Opt-in: not timed yet.
+    prefetch = int(cfg.pop("PREFETCH", 0))
+    if prefetch & (prefetch - 1):
+        raise ValueError(f"PREFETCH must be a power of two, got {prefetch}")
     if gl_cfg and M == 1 and not experts and bias is None:
         args = (x2, weight, fmt, scales, zeros, groupsize, norm_weight, eps, glu, residual)
-        y = _gluon_row_launch(*args, *gl_cfg)
+        y = _gluon_row_launch(*args, *gl_cfg, prefetch=prefetch)
         if y is not None:
             return y.reshape(*x.shape[:-1], N)
     split_k = cfg["SPLIT_K"]
@@ -1292,11 +1349,6 @@ def _gemv_launch(
     # STAGES: how many K steps the loop keeps loading ahead (cp.async into shared memory);
     # a plain loop (1) for the row tiles, whose tl.dot loads Triton pipelines by num_stages.
     stages = cfg.pop("STAGES", 1 if cfg["BLOCK_M"] == 1 else cfg["num_stages"])
-    # PREFETCH (steps, a power of two): one row's programs ask L2 for their first steps'
-    # weights before the wait on the kernel before (_prefetch_steps). Opt-in: not timed yet.
-    prefetch = int(cfg.pop("PREFETCH", 0))
-    if prefetch & (prefetch - 1):
-        raise ValueError(f"PREFETCH must be a power of two, got {prefetch}")
     if words is None:  # one row and a word-aligned quantized weight: the 32-bit-word path
         words = fmt in (INT8, INT4) and cfg["BLOCK_M"] == 1 and aligned
     if fmt == INT4 and cfg["BLOCK_M"] == 1 and not (words and aligned):
@@ -1354,6 +1406,7 @@ def _gluon_row_launch(
     block_n: int,
     warps: int,
     tiles: int = 1,
+    prefetch: int = 0,
 ) -> Tensor | None:
     # One row x [1, K] on a Gluon kernel, block_n rows and `warps` warps per program -> y [1,
     # N] (int4 with K <= 1024 * warps: `tiles` tiles of block_n rows per program), or None
@@ -1372,6 +1425,7 @@ def _gluon_row_launch(
     y = torch.empty(1, N, device=x.device, dtype=x.dtype)
     fused = dict(NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None)
     fused.update(BLOCK_N=block_n, NUM_WARPS=warps, num_warps=warps, **dependent_launch(x))
+    fused["PREFETCH"] = prefetch if fused["PDL"] else 0  # before the wait: nothing to overlap
     nw = norm_weight if norm_weight is not None else y
     r = residual.reshape(1, N) if residual is not None else y
     grid = (triton.cdiv(N, block_n),)
