@@ -644,18 +644,20 @@ SAMPLE = [(300, 6, False), (300, 9, True)] + (
 
 
 @pytest.mark.parametrize("V, top_k, ties", SAMPLE)
-def test_sample_top_k_draws_from_logits_to_probs(V, top_k, ties):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sample_top_k_draws_from_logits_to_probs(V, top_k, ties, dtype):
     # The kernels' draws against generate.logits_to_probs (top_k and ties with the k-th kept),
-    # bfloat16 logits on the GPU as the model gives them. On CPU (the interpreter) small tiles,
-    # and the same seeds again with room for only 16 candidates in registers: the rest must load
-    # from memory in every pass, and the draws must not change.
+    # bfloat16 logits as the model gives them (the bisection drops the 16 mantissa bits they
+    # never use) and float32. On CPU (the interpreter) small tiles, and the same seeds again
+    # with room for only 16 candidates in registers: the rest must load from memory in every
+    # pass, and the draws must not change.
     from generate import logits_to_probs
 
     g = torch.Generator().manual_seed(V + top_k)
     logits = torch.randn(V, generator=g) * 2
     if ties:
         logits = (logits * 2).round() / 2
-    logits = logits.to(DEVICE, torch.bfloat16 if GPU else torch.float32)
+    logits = logits.to(DEVICE, dtype)
     want = logits_to_probs(logits[None].float(), 0.7, top_k=top_k)[0].cpu()
     if ties:
         assert (want > 0).sum() > top_k  # the test means something
@@ -664,6 +666,12 @@ def test_sample_top_k_draws_from_logits_to_probs(V, top_k, ties):
     assert_draws_follow(counts, want)
     if not GPU:
         assert torch.equal(draw_counts(logits, 0.7, top_k, 60, block=128, cap=16)[1], tokens)
+    # Hot, on logits a few units of the last place apart near the k-th: every kept token about
+    # as likely, so one kept in excess (keys cut too coarse) would show.
+    dense = (torch.randn(V, generator=g) * 0.5 + 5).to(DEVICE, dtype)
+    kept = logits_to_probs(dense[None].float(), 1e3, top_k=top_k)[0].cpu() > 0
+    hot, _ = draw_counts(dense, 1e3, top_k, 60 if not GPU else 4000, **launch)
+    assert hot[~kept].sum() == 0 and (hot > 0).sum() >= min(kept.sum(), 10)
 
 
 @pytest.mark.gpu
