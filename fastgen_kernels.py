@@ -155,34 +155,6 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
 
-    # ask L2 for the 128-byte line at address $1 where $2 != 0 ($0: a dummy result)
-    PREFETCH_L2_ASM = tl.constexpr(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }"
-    )
-
-    @triton.jit
-    def _prefetch_steps(
-        w_ptr, stride_wn, rn, n_ok, k_lo, k_hi, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
-        STEPS: tl.constexpr,
-    ):  # fmt: skip
-        # Asks L2 for the weights of this program's first STEPS steps (rows rn, k from k_lo, a
-        # power of two), one prefetch per 128-byte line, before _dependent_launch's wait: the
-        # weights never depend on the kernel before, and while its last programs finish, the
-        # memory bus has room. The Gluon kernels and decode attention load their first step
-        # before the wait alike (into registers). The launch option PREFETCH (steps): it ran in
-        # the GPU tests (H100) but has not been timed, so no default asks for it yet.
-        ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # stride_wn's unit
-        BITS: tl.constexpr = 4 if FMT == 2 else (8 if FMT != 0 else 8 * ELT)  # per weight
-        LINES: tl.constexpr = (STEPS * BLOCK_K * BITS // 8 + 127) // 128
-        rl = tl.arange(0, LINES)
-        row = rn.to(tl.int64) * stride_wn * ELT + k_lo * BITS // 8  # [BLOCK_N] byte offsets
-        ptrs = w_ptr.to(tl.pointer_type(tl.int8)) + row[:, None] + 128 * rl[None, :]
-        ok = n_ok[:, None] & (k_lo + rl * (1024 // BITS) < k_hi)[None, :]
-        tl.inline_asm_elementwise(
-            PREFETCH_L2_ASM, "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
-            pack=1,
-        )  # fmt: skip
-
     @triton.jit
     def _load_x(x_ptr, off, mask, k_idx, nw_ptr, rstd, K, NORM: tl.constexpr, GLU: tl.constexpr):
         # The GEMV's input, with its prologue applied: x, or silu(gate) * up when the input row
@@ -457,7 +429,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, WORDS: tl.constexpr, EXPERTS: tl.constexpr,
         TOPK: tl.constexpr, E_P2: tl.constexpr, MIX: tl.constexpr, PDL: tl.constexpr,
-        STAGES: tl.constexpr, PREFETCH: tl.constexpr,
+        STAGES: tl.constexpr,
     ):  # fmt: skip
         # y[m, n] = sum_k x'[m, k] * W[n, k] (+ bias[n]) (+ residual[m, n]), x' = prologue(x).
         # BLOCK_M == 1: elementwise products summed once at the end (no tensor cores needed);
@@ -467,16 +439,9 @@ if triton is not None:
         # expert is e_ptr[row], or with TOPK the (row % TOPK)-th pick of router logits e_ptr
         # [rows / TOPK, n_experts]. MIX: program_id(2) a token, and its row is the sum of its
         # TOPK picks' rows (x rows token * TOPK + j), each times its routing weight.
+        _dependent_launch(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < N
-        k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_lo = pid_k * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
-        if PREFETCH and PDL and BLOCK_M == 1 and not EXPERTS:  # experts: picked by the router
-            _prefetch_steps(w_ptr, stride_wn, rn, n_ok, k_lo, k_hi, FMT, BLOCK_K, PREFETCH)
-        _dependent_launch(PDL)
         if EXPERTS:
             row = tl.program_id(2)
             r_ptr += row * stride_rm
@@ -491,10 +456,15 @@ if triton is not None:
                 w_ptr += e * stride_we
                 s_ptr += e * stride_se
                 z_ptr += e * stride_se
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         # Without experts, program_id(2) picks a tile of BLOCK_M rows (prefill-sized inputs).
         rm = (0 if EXPERTS else tl.program_id(2) * BLOCK_M) + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < N
         m_ok = rm < M
+        k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
         # RMSNorm with one row: its rstd is a scalar and the products are linear in x, so x *
         # norm_weight goes in and rstd multiplies the finished sums; the sum of squares for it
         # is gathered as x loads, with no pass over x before the weights are read (that pass
@@ -710,33 +680,6 @@ if gluon is not None:
             gl.inline_asm_elementwise(asm, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         return gl.program_id(0)
 
-    @gluon.constexpr_function
-    def _gl_line_layout(LINES, num_warps):
-        # [rows, LINES] 128-byte lines, a warp across min(LINES, 32) lines of 32 / that rows
-        t = min(LINES, 32)
-        return gl.BlockedLayout([1, 1], [32 // t, t], [num_warps, 1], [1, 0])
-
-    @gluon.jit
-    def _gl_prefetch_rows(
-        w_ptr, stride_wn, row0, n_end, lo, hi, ROWS: gl.constexpr, LINES: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
-    ):  # fmt: skip
-        # Asks L2 for bytes [lo, hi) of weight rows row0.. row0 + ROWS (those below n_end), one
-        # prefetch per 128-byte line, lines from lo (LINES of them, a power of two): as
-        # _prefetch_steps does for the Triton GEMV, the steps after the first, which the Gluon
-        # kernels load into registers before the wait.
-        L: gl.constexpr = _gl_line_layout(LINES, NUM_WARPS)
-        ELT: gl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8  # stride_wn's unit
-        r = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, L))
-        c = lo + 128 * gl.arange(0, LINES, layout=gl.SliceLayout(0, L))
-        row = gl.expand_dims(r.to(gl.int64) * stride_wn * ELT, 1)  # [ROWS, 1] byte offsets
-        ptrs = w_ptr.to(gl.pointer_type(gl.int8)) + row + gl.expand_dims(c, 0)
-        ok = gl.expand_dims(r < n_end, 1) & gl.expand_dims(c < hi, 0)
-        gl.inline_asm_elementwise(
-            PREFETCH_L2_ASM, "=r,l,r", [ptrs, ok.to(gl.int32)], dtype=gl.int32, is_pure=False,
-            pack=1,
-        )  # fmt: skip
-
     @gluon.jit
     def _gl_pdl_wait():
         gl.inline_asm_elementwise(
@@ -845,7 +788,6 @@ if gluon is not None:
         x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn, stride_sn,
         G: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
         BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
-        PREFETCH: gl.constexpr,
     ):  # fmt: skip
         NB: gl.constexpr = 32 * NUM_WARPS  # blocks of 32 k per step: one per thread
         BLOCK_K: gl.constexpr = 32 * NB
@@ -870,10 +812,6 @@ if gluon is not None:
         sg_ok = n_ok2 & gl.expand_dims(rb * 32 < K, 0)
         s = gl.load(s_ptr + g_off, mask=sg_ok, other=0)
         z = gl.load(z_ptr + g_off, mask=sg_ok, other=0)
-        if PREFETCH:  # and the next PREFETCH steps' weights asked of L2
-            lines: gl.constexpr = PREFETCH * NB // 8
-            _gl_prefetch_rows(w_ptr, stride_wn, row0, N, 16 * NB, K // 2, BLOCK_N, lines,
-                              NUM_WARPS)  # fmt: skip
         if PDL:
             _gl_pdl_wait()
         if RESIDUAL:
@@ -909,7 +847,6 @@ if gluon is not None:
         x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn, stride_sn,
         G: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
         BLOCK_N: gl.constexpr, TILES: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
-        PREFETCH: gl.constexpr,
     ):  # fmt: skip
         # _int4_row_gluon for wide weights with short rows (K <= 1024 * NUM_WARPS, one step):
         # x is loaded and rounded to int8 once, then the program takes TILES tiles of BLOCK_N
@@ -932,9 +869,6 @@ if gluon is not None:
         sg_ok = gl.expand_dims(rn < row_end, 1) & b_ok2
         s = gl.load(s_ptr + g_off, mask=sg_ok, other=0)
         z = gl.load(z_ptr + g_off, mask=sg_ok, other=0)
-        if PREFETCH:  # and the other tiles' weights asked of L2 (K / 2 bytes: one step)
-            _gl_prefetch_rows(w_ptr, stride_wn, row0 + BLOCK_N, row_end, 0, K // 2,
-                              TILES * BLOCK_N, 4 * NUM_WARPS, NUM_WARPS)  # fmt: skip
         if PDL:
             _gl_pdl_wait()
         if RESIDUAL:
@@ -986,7 +920,6 @@ if gluon is not None:
         x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn,
         NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
         BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
-        PREFETCH: gl.constexpr,
     ):  # fmt: skip
         # One row against int8 rows (per-row scales), the layouts as in _int4_row_gluon: each
         # thread owns one block of 16 k, its 4 weight words (16 bytes) of every row and the same
@@ -1008,9 +941,6 @@ if gluon is not None:
 
         # The first step's weights do not depend on the kernel before: they load before the wait.
         w = gl.load(w_rows, mask=n_ok3 & (rb3 * 16 < K), other=0)
-        if PREFETCH:  # and the next PREFETCH steps' weights asked of L2
-            lines: gl.constexpr = PREFETCH * NB // 8
-            _gl_prefetch_rows(w_ptr, stride_wn, row0, N, 16 * NB, K, BLOCK_N, lines, NUM_WARPS)
         if PDL:
             _gl_pdl_wait()
         if RESIDUAL:
@@ -1054,7 +984,6 @@ if gluon is not None:
         x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn,
         FP8: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
         VEC: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
-        PREFETCH: gl.constexpr,
     ):  # fmt: skip
         # One row against float rows (bfloat16, float16, float32, or float8 bytes with per-row
         # scales), the layouts as in _int4_row_gluon: each thread owns one block of VEC k (16
@@ -1076,11 +1005,6 @@ if gluon is not None:
 
         # The first step's weights do not depend on the kernel before: they load before the wait.
         w = gl.load(w_rows, mask=n_ok3 & (rb3 * VEC < K), other=0)
-        if PREFETCH:  # and the next PREFETCH steps' weights asked of L2 (16 bytes per block)
-            lines: gl.constexpr = PREFETCH * NB // 8
-            row_bytes = K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-            _gl_prefetch_rows(w_ptr, stride_wn, row0, N, 16 * NB, row_bytes, BLOCK_N, lines,
-                              NUM_WARPS)  # fmt: skip
         if PDL:
             _gl_pdl_wait()
         if RESIDUAL:
@@ -1323,15 +1247,9 @@ def _gemv_launch(
         cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
     # GLUON (rows, warps[, row tiles]): a Gluon kernel instead, where one takes the shape
     gl_cfg = cfg.pop("GLUON", None)
-    # PREFETCH (steps, a power of two): one row's programs ask L2 for the weights of their
-    # first steps (Gluon: of the steps after the first, which it loads) before the wait on the
-    # kernel before (_prefetch_steps, _gl_prefetch_rows). Opt-in: not timed yet.
-    prefetch = int(cfg.pop("PREFETCH", 0))
-    if prefetch & (prefetch - 1):
-        raise ValueError(f"PREFETCH must be a power of two, got {prefetch}")
     if gl_cfg and M == 1 and not experts and bias is None:
         args = (x2, weight, fmt, scales, zeros, groupsize, norm_weight, eps, glu, residual)
-        y = _gluon_row_launch(*args, *gl_cfg, prefetch=prefetch)
+        y = _gluon_row_launch(*args, *gl_cfg)
         if y is not None:
             return y.reshape(*x.shape[:-1], N)
     split_k = cfg["SPLIT_K"]
@@ -1385,7 +1303,7 @@ def _gemv_launch(
         G=max(groupsize, 2), SG=sg, HAS_BIAS=bias is not None,
         NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", WORDS=words,
-        STAGES=stages, PREFETCH=prefetch, **cfg, **dependent_launch(x),
+        STAGES=stages, **cfg, **dependent_launch(x),
     )  # fmt: skip
     if experts:
         return y.to(x.dtype)  # [M, N]
@@ -1406,7 +1324,6 @@ def _gluon_row_launch(
     block_n: int,
     warps: int,
     tiles: int = 1,
-    prefetch: int = 0,
 ) -> Tensor | None:
     # One row x [1, K] on a Gluon kernel, block_n rows and `warps` warps per program -> y [1,
     # N] (int4 with K <= 1024 * warps: `tiles` tiles of block_n rows per program), or None
@@ -1425,7 +1342,6 @@ def _gluon_row_launch(
     y = torch.empty(1, N, device=x.device, dtype=x.dtype)
     fused = dict(NORM=norm_weight is not None, GLU=glu, RESIDUAL=residual is not None)
     fused.update(BLOCK_N=block_n, NUM_WARPS=warps, num_warps=warps, **dependent_launch(x))
-    fused["PREFETCH"] = prefetch if fused["PDL"] else 0  # before the wait: nothing to overlap
     nw = norm_weight if norm_weight is not None else y
     r = residual.reshape(1, N) if residual is not None else y
     grid = (triton.cdiv(N, block_n),)

@@ -749,8 +749,6 @@ def sweep_configs(fmt, N, K, groupsize=32, experts=0):
     triton_default = {k: v for k, v in default.items() if k != "GLUON"}  # no Gluon kernel
     configs += [dict(triton_default, STAGES=s) for s in (1, 2, 3, 4)
                 if s != default["STAGES"] or "GLUON" in default]  # fmt: skip
-    # the first steps' weights asked of L2 before the wait on the kernel before
-    configs += [dict(triton_default, PREFETCH=steps) for steps in (1, 2, 4, 8)]
     if fmt == kernels.INT8:  # one-row int4 has the word path only
         configs.append(dict(triton_default, WORDS=False))
     if not experts and kernels.gluon is not None:
@@ -758,8 +756,6 @@ def sweep_configs(fmt, N, K, groupsize=32, experts=0):
         # step: 1024 k for int4, 512 for int8, 256 for bfloat16)
         for rows_warps in [(4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4)]:
             configs.append(dict(triton_default, GLUON=rows_warps))
-        if "GLUON" in default:  # the default Gluon shape asking L2 for its later steps early
-            configs += [dict(default, PREFETCH=steps) for steps in (1, 2, 4)]
         if fmt == kernels.INT4 and K <= 4096:  # and tiles of rows per program (one K step)
             for tiles in [(8, 4, 4), (8, 4, 8), (16, 4, 2), (16, 4, 4), (16, 4, 8)]:
                 configs.append(dict(triton_default, GLUON=tiles))

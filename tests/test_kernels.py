@@ -150,51 +150,6 @@ def test_gluon_is_the_default_where_it_measured_faster():
         torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
 
 
-@pytest.mark.parametrize("fmt", sorted(FMTS))
-@pytest.mark.parametrize("split_k", [1, 3])
-@pytest.mark.parametrize("steps", [1, 4])
-def test_gemv_prefetch_option_matches_reference(fmt, split_k, steps):
-    # PREFETCH (opt-in): on the GPU each program asks L2 for its first steps' weights before
-    # the wait on the kernel before; rows and K not whole steps, splits over K (4 steps reach
-    # past a split's end), so the masks of the prefetch addresses matter. The interpreter has
-    # no PTX: on CPU the option only plumbs.
-    torch.manual_seed(5)
-    N, K = 50, 768 if fmt == "int4" else 700
-    w = make(FMTS[fmt], N, K)
-    x = torch.randn(1, K, device=DEVICE)
-    fused = dict(norm_weight=torch.rand(K, device=DEVICE) + 0.5, eps=1e-5)
-    ref = kernels.gemv_reference(x, fmt=FMTS[fmt], **w, **fused)
-    cfg = dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=split_k, num_warps=4, num_stages=2)
-    poison()
-    got = kernels.gemv(x, fmt=FMTS[fmt], config=dict(cfg, PREFETCH=steps), **w, **fused)
-    torch.testing.assert_close(got, ref, atol=1e-3 * ref.abs().max().item(), rtol=1e-3)
-    with pytest.raises(ValueError, match="power of two"):
-        kernels.gemv(x, fmt=FMTS[fmt], config=dict(cfg, PREFETCH=3), **w, **fused)
-
-
-@pytest.mark.skipif(kernels.gluon is None, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int8", "int4", "int4 tiles"])
-@pytest.mark.parametrize("steps", [1, 4])
-def test_gluon_prefetch_option_matches_reference(fmt, steps):
-    # PREFETCH on the Gluon kernels: the steps after the first (tiles: the program's other
-    # tiles) asked of L2 before the wait. Odd rows, K of 2 to 9 steps of 2 warps (4 steps reach
-    # past the row's end). On CPU the launch falls back to the Triton kernel.
-    torch.manual_seed(steps)
-    tiles = (3,) if fmt == "int4 tiles" else ()
-    fmt = fmt.split()[0]
-    N, K = (50, 768) if tiles else (50, 4352)
-    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
-    fmt = "float" if fmt == "bf16" else fmt
-    w = make(FMTS[fmt], N, K, 32, dtype)
-    x = torch.randn(1, 2 * K, device=DEVICE, dtype=torch.bfloat16)
-    fused = dict(glu=True, residual=torch.randn(1, N, device=DEVICE, dtype=torch.bfloat16))
-    ref = kernels.gemv_reference(x.float(), fmt=FMTS[fmt], **w, **fused)
-    cfg = dict(kernels.gemv_config(FMTS[fmt], 1, N, K, 32), GLUON=(8, 2, *tiles), PREFETCH=steps)
-    poison()
-    got = kernels.gemv(x, fmt=FMTS[fmt], config=cfg, **w, **fused)
-    torch.testing.assert_close(got.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=1e-2)
-
-
 def bench_module():
     from scripts import bench
 
