@@ -1675,7 +1675,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, input_pos: Tensor) -> 
 #   2. programs over the row append their values >= t0 to a candidate list; the last one to
 #      finish finds the k-th largest candidate by bisection over the values' bits, then draws
 #      among the candidates >= it by the Gumbel-max trick: argmax(v / T + g), g = -log(-log(u)),
-#      u uniform from Philox keyed by the row's seed and the token's index.
+#      u uniform from Philox keyed by the row's seed and the token's index. Given the step's
+#      position, the seed is Philox's draw at that position from the row's seed: one seed per
+#      row for a whole generation, and no random-number kernels (nor CUDA graph RNG updates)
+#      in each step.
 TOP_K_MAX = 256  # larger top_k: generate.sample's PyTorch path (the filter keeps too many)
 TOP_K_CAP = 4096  # candidates the last program holds in registers; the rest it reads in tiles
 
@@ -1720,11 +1723,13 @@ if triton is not None:
 
     @triton.jit
     def _top_k_sample_kernel(
-        x_ptr, m_ptr, cnt_ptr, cv_ptr, ci_ptr, seed_ptr, out_ptr, V, n_chunks, stride_x, top_k,
-        temperature, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, CAP: tl.constexpr,
+        x_ptr, m_ptr, cnt_ptr, cv_ptr, ci_ptr, seed_ptr, pos_ptr, out_ptr, V, n_chunks, stride_x,
+        top_k, temperature, BLOCK: tl.constexpr, CHUNKS_PAD: tl.constexpr, CAP: tl.constexpr,
+        AT_POS: tl.constexpr,
     ):  # fmt: skip
         # x [B, V]; m [B, n_chunks] chunk maxima; cnt [B, 2] zeroed; cv, ci [B, V] room for the
-        # candidates' values and tokens; seed [B] -> out [B, 1] the drawn tokens
+        # candidates' values and tokens; seed [B]; pos [1] the step's position when AT_POS
+        # -> out [B, 1] the drawn tokens
         row = tl.program_id(0).to(tl.int64)  # row * V passes 2^31 for many rows of a big vocab
         x_ptr += row * stride_x
         cv_ptr += row * V
@@ -1749,6 +1754,8 @@ if triton is not None:
             SHIFT: tl.constexpr = 23 - x_ptr.dtype.element_ty.fp_mantissa_width
             n = tl.atomic_add(cnt_ptr + 2 * row, 0, sem="acquire")  # candidates, >= top_k
             seed = tl.load(seed_ptr + row)
+            if AT_POS:
+                seed = tl.randint(seed, tl.load(pos_ptr).to(tl.int32)).to(tl.int32, bitcast=True)
             r = tl.arange(0, CAP)
             ok = r < n
             # the first CAP candidates stay in registers; any more load again in each pass
@@ -1785,10 +1792,12 @@ if triton is not None:
 
 
 def _sample_top_k_launch(
-    logits: Tensor, seeds: Tensor, temperature: float, top_k: int, block=4096, cap=TOP_K_CAP
-) -> Tensor:
-    # logits [B, V] (any float dtype, rows may be strided), seeds [B] int32 -> tokens [B, 1].
-    # block: values per program of the second kernel; cap: TOP_K_CAP (tests make both small).
+    logits: Tensor, seeds: Tensor, pos: Tensor | None, temperature: float, top_k: int,
+    block=4096, cap=TOP_K_CAP,
+) -> Tensor:  # fmt: skip
+    # logits [B, V] (any float dtype, rows may be strided), seeds [B] int32, pos None or [1] the
+    # step's position (int64) -> tokens [B, 1]. block: values per program of the second kernel;
+    # cap: TOP_K_CAP (tests make both small).
     B, V = logits.shape
     chunk = top_k_chunk(V, top_k)
     n_chunks = triton.cdiv(V, chunk)
@@ -1803,9 +1812,9 @@ def _sample_top_k_launch(
         logits, m, counters, V, n_chunks, logits.stride(0), CHUNK=chunk, CHUNKS=per_program
     )
     _top_k_sample_kernel[(B, triton.cdiv(V, block))](
-        logits, m, counters, cand_v, cand_i, seeds, out, V, n_chunks, logits.stride(0), top_k,
-        temperature, BLOCK=block, CHUNKS_PAD=triton.next_power_of_2(n_chunks), CAP=cap,
-        num_warps=8,
+        logits, m, counters, cand_v, cand_i, seeds, seeds if pos is None else pos, out, V,
+        n_chunks, logits.stride(0), top_k, temperature, BLOCK=block,
+        CHUNKS_PAD=triton.next_power_of_2(n_chunks), CAP=cap, AT_POS=pos is not None, num_warps=8,
     )  # fmt: skip
     return out
 
@@ -1813,11 +1822,13 @@ def _sample_top_k_launch(
 if triton is not None:
 
     @torch.library.custom_op("fastgen::sample_top_k", mutates_args=())
-    def _sample_top_k_op(logits: Tensor, seeds: Tensor, temperature: float, top_k: int) -> Tensor:
-        return _sample_top_k_launch(logits, seeds, temperature, top_k)
+    def _sample_top_k_op(
+        logits: Tensor, seeds: Tensor, pos: Tensor | None, temperature: float, top_k: int
+    ) -> Tensor:
+        return _sample_top_k_launch(logits, seeds, pos, temperature, top_k)
 
     @_sample_top_k_op.register_fake
-    def _sample_top_k_fake(logits, seeds, temperature, top_k):
+    def _sample_top_k_fake(logits, seeds, pos, temperature, top_k):
         return logits.new_empty(logits.shape[0], 1, dtype=torch.int64)
 
 
@@ -1829,10 +1840,16 @@ def samples_top_k(logits: Tensor, top_k: int | None) -> bool:
     )  # fmt: skip
 
 
-def sample_top_k(logits: Tensor, temperature: float, top_k: int) -> Tensor:
-    # logits [B, V], temperature > 0 -> tokens [B, 1]; the seeds come from torch's generator
-    seeds = torch.randint(1 << 31, (logits.shape[0],), device=logits.device, dtype=torch.int32)
-    return torch.ops.fastgen.sample_top_k(logits, seeds, temperature, top_k)
+def sample_top_k(
+    logits: Tensor, temperature: float, top_k: int, seed: Tensor | None = None,
+    pos: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    # logits [B, V], temperature > 0 -> tokens [B, 1]. seed [B] int32 and pos [1] (the step's
+    # position): the draw is keyed by both; without them, by fresh seeds from torch's generator.
+    if seed is None or pos is None:
+        seed = torch.randint(1 << 31, (logits.shape[0],), device=logits.device, dtype=torch.int32)
+        pos = None
+    return torch.ops.fastgen.sample_top_k(logits, seed, pos, temperature, top_k)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,10 +78,13 @@ def race(weights: Tensor) -> Tensor:
 
 
 def sample(
-    logits: Tensor, temperature: float, top_k: int | None = None, top_p: float = 1.0
-) -> tuple[Tensor, Tensor | None]:
+    logits: Tensor, temperature: float, top_k: int | None = None, top_p: float = 1.0,
+    seed: Tensor | None = None, pos: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     # logits [B, T, vocab] -> next token [B, 1] from the last position, and its distribution
-    # (None for greedy, where the distribution is a point mass on the argmax).
+    # (None for greedy, where the distribution is a point mass on the argmax). seed [B] int32
+    # and pos [1], the step's position: the CUDA top-k kernels key their draw by both, so a
+    # CUDA-graphed step draws no random numbers of its own; elsewhere torch's generator draws.
     logits = logits[:, -1]
     if temperature == 0:
         return logits.float().argmax(dim=-1, keepdim=True), None
@@ -89,7 +92,7 @@ def sample(
         # On CUDA, two kernels draw from logits_to_probs's distribution (torch.topk alone was
         # about 20 kernels, 45 us of a Llama-2-7B step on an H200). probs is computed apart:
         # a compiled caller that drops it never computes it.
-        token = kernels.sample_top_k(logits, max(temperature, 1e-5), top_k)
+        token = kernels.sample_top_k(logits, max(temperature, 1e-5), top_k, seed, pos)
         return token, logits_to_probs(logits.float(), temperature, top_k)
     probs = logits_to_probs(logits.float(), temperature, top_k, top_p)
     return race(probs), probs
@@ -110,7 +113,7 @@ def prefill(
 ) -> Tensor:
     # x [B, T] prompt tokens at cache slots input_pos [T] -> first new token [B, 1]
     logits = model(x, input_pos, pad, last_logits_only=True, from_zero=from_zero)
-    return sample(logits, **sampling)[0]
+    return sample(logits, pos=input_pos[-1:], **sampling)[0]
 
 
 def read_later(t: Tensor) -> Callable[[], list]:
@@ -135,7 +138,7 @@ def decode_one_token(
 ) -> Tensor:
     # x [B, 1] at slot input_pos [1] -> next token [B, 1]
     logits = model(x, input_pos, pad)
-    return sample(logits, **sampling)[0]
+    return sample(logits, pos=input_pos, **sampling)[0]
 
 
 def prefill_by_steps(
@@ -192,8 +195,10 @@ def generate(
     # on_token(list[int]) sees each step's tokens for all rows as they are known.
     B, T = prompt.shape
     device = prompt.device
-    # floats always: an int 0 and a float 0.8 would be two compiled graphs
+    # floats always: an int 0 and a float 0.8 would be two compiled graphs. One seed per row
+    # from torch's generator keys every step's draw with the step's position (see sample).
     sampling = dict(temperature=float(temperature), top_k=top_k, top_p=float(top_p))
+    sampling["seed"] = torch.randint(1 << 31, (B,), device=device, dtype=torch.int32)
     input_pos = torch.arange(start_pos, start_pos + T, device=device)
     from_zero = start_pos == 0 and pad is None
     token = prefill_fn(model, prompt, input_pos, pad, from_zero, **sampling).clone()  # [B, 1]
@@ -201,11 +206,12 @@ def generate(
     done = [False] * B
     out = [token]
     read = read_later(token[:, 0]) if watch else None
-    pos = torch.tensor([start_pos + T], device=device)
-    for _ in range(max_new_tokens - 1):
+    # every step's slot up front: a view per step, where `pos += 1` was one more kernel a step
+    positions = torch.arange(start_pos + T, start_pos + T + max_new_tokens, device=device)
+    for i in range(max_new_tokens - 1):
         # Launch step i+1 before looking at token i on the host, so the check overlaps the GPU.
+        pos = positions[i : i + 1]
         nxt = decode_fn(model, token, pos, pad, **sampling).clone()  # CUDA graphs reuse outputs
-        pos += 1
         if watch:
             read_nxt = read_later(nxt[:, 0])
             ids = read()  # waits for step i only, not for step i+1 queued behind it

@@ -571,14 +571,16 @@ def test_bench_times_decode_attention_and_sweeps_it():
         assert res["bytes"] == 2 * 2 * 41 * 64 * 4
 
 
-def draw_counts(logits, temperature, top_k, draws, **launch):
-    # draws rows of the same logits [V] through the top-k sampling kernels, one seed each ->
-    # (how often each token came, the tokens)
+def draw_counts(logits, temperature, top_k, draws, pos=None, **launch):
+    # draws rows of the same logits [V] through the top-k sampling kernels, one seed each (and
+    # the step's position pos, an int, when given) -> (how often each token came, the tokens)
     torch.manual_seed(draws)
     seeds = torch.randint(1 << 31, (draws,), dtype=torch.int32, device=DEVICE)
     rows = logits[None].expand(draws, -1)
+    if pos is not None:
+        pos = torch.tensor([pos], device=DEVICE)
     poison()
-    tokens = kernels._sample_top_k_launch(rows, seeds, temperature, top_k, **launch).flatten()
+    tokens = kernels._sample_top_k_launch(rows, seeds, pos, temperature, top_k, **launch).flatten()
     return torch.bincount(tokens, minlength=logits.shape[0]).double().cpu(), tokens
 
 
@@ -627,6 +629,27 @@ def test_sample_top_k_draws_from_logits_to_probs(V, top_k, ties, dtype):
     kept = logits_to_probs(dense[None].float(), 1e3, top_k=top_k)[0].cpu() > 0
     hot, _ = draw_counts(dense, 1e3, top_k, 60 if not GPU else 4000, **launch)
     assert hot[~kept].sum() == 0 and (hot > 0).sum() >= min(kept.sum(), 10)
+
+
+def test_sample_top_k_keyed_by_position_draws_from_logits_to_probs():
+    # generate()'s steps key each row's draw by its seed and the step's position: the draws
+    # still follow the distribution, the same position draws the same tokens, and another
+    # position draws others.
+    from generate import logits_to_probs
+
+    V, top_k = (32000, 200) if GPU else (300, 9)
+    logits = (torch.randn(V, generator=torch.Generator().manual_seed(3)) * 2).to(DEVICE)
+    want = logits_to_probs(logits[None], 0.7, top_k=top_k)[0].cpu()
+    launch = {} if GPU else dict(block=128, cap=64)
+    draws = 40000 if GPU else 60
+    counts, tokens = draw_counts(logits, 0.7, top_k, draws, pos=17, **launch)
+    assert_draws_follow(counts, want)
+    assert torch.equal(draw_counts(logits, 0.7, top_k, draws, pos=17, **launch)[1], tokens)
+    for other in (18, 1 << 20):
+        again = draw_counts(logits, 0.7, top_k, draws, pos=other, **launch)[1]
+        assert (again != tokens).float().mean() > 0.5
+    unkeyed = draw_counts(logits, 0.7, top_k, draws, **launch)[1]
+    assert (unkeyed != tokens).float().mean() > 0.5
 
 
 @pytest.mark.gpu
