@@ -148,9 +148,73 @@ def decode_rate(
     return statistics.mean(rates)
 
 
+def step_breakdown(
+    kernels: list[tuple[str, float, float]], last: str, layer: str, skip: int = 3
+) -> dict:
+    # Where a decode step's time goes. kernels: (name, start, end) in µs of a profiled run, in
+    # any order; last: a substring of the name of the kernel that ends each step (the sampler);
+    # layer: one of the kernel that runs once per layer (attention); the first `skip` steps
+    # (warm-up) are left out. A kernel's effective time is its end minus
+    # the latest end of the kernels that started before it, or 0 when it ends earlier: kernels
+    # overlap under programmatic dependent launch, so their durations overcount, while the
+    # effective times of a step add up to its span, a gap counted to the kernel after it.
+    kernels = sorted(kernels, key=lambda k: k[1])
+    eff, latest = [], None
+    for _, start, end in kernels:
+        eff.append(end - start if latest is None else max(0.0, end - latest))
+        latest = end if latest is None else max(latest, end)
+    ends = [i for i, k in enumerate(kernels) if last in k[0]]
+    steps = [range(a + 1, b + 1) for a, b in zip(ends[skip:], ends[skip + 1 :])]
+    if not steps:
+        return {}
+    n = statistics.mode(len(s) for s in steps)
+    steps = [s for s in steps if len(s) == n]  # a step with another shape (a recompile) is out
+    names = [kernels[i][0] for i in steps[0]]
+    avg = [statistics.mean(eff[s[j]] for s in steps) for j in range(n)]
+    by_name = {}
+    for name, t in zip(names, avg):
+        count, total = by_name.get(name, (0, 0.0))
+        by_name[name] = (count + 1, total + t)
+    res = dict(
+        steps=len(steps),
+        kernels_per_step=n,
+        step_us=sum(avg),
+        by_name=[
+            dict(name=k[:120], per_step=c, effective_us=t)
+            for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])
+        ],
+    )
+    # Layers: the positions repeat with the period between one `layer` kernel and the next. A
+    # layer starts `lead` kernels before that one: as many as have the same names before it in
+    # every layer (the first layer's come after the embedding, the others' after the layer
+    # before). per_layer averages each position over the layers.
+    marks = [j for j, name in enumerate(names) if layer in name]
+    if len(marks) > 1:
+        period = statistics.mode(b - a for a, b in zip(marks, marks[1:]))
+        starts = [a for a in marks if (a - marks[0]) % period == 0]
+        lead = 0
+        while lead + 1 < period and all(
+            a > lead and names[a - lead - 1] == names[starts[0] - lead - 1] for a in starts
+        ):
+            lead += 1
+        layers = [a - lead for a in starts if a - lead + period <= n]
+        res["layers"] = len(layers)
+        res["per_layer"] = [
+            dict(offset=o, name=names[layers[0] + o][:120],
+                 effective_us=statistics.mean(avg[s + o] for s in layers))
+            for o in range(period)
+        ]  # fmt: skip
+        inside = {s + o for s in layers for o in range(period)}
+        res["outside_layers"] = [
+            dict(position=j, name=names[j][:120], effective_us=avg[j])
+            for j in range(n) if j not in inside
+        ]  # fmt: skip
+    return res
+
+
 def profile_decode(model, device, steps, tokens: int) -> dict:
-    # Where a decode step's time goes: each kernel's time per token, their sum, and the span
-    # from the first kernel to the last over all tokens (sum < span: gaps between kernels).
+    # Where a decode step's time goes: the kernels' effective times per step (step_breakdown),
+    # and each kernel name's total duration per token.
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         decode_rate(model, device, steps, 5, tokens, samples=1)
     cuda = torch.autograd.DeviceType.CUDA
@@ -169,13 +233,23 @@ def profile_decode(model, device, steps, tokens: int) -> dict:
         top=[
             dict(name=k[:120], per_token=n / tokens, us_per_token=t / tokens) for k, (n, t) in top
         ],
+        step=step_breakdown(
+            [(e.name, e.time_range.start, e.time_range.end) for e in kernels],
+            last="_top_k_sample",  # fastgen_kernels' sampler ends a step
+            layer="_attn_split",  # decode attention, once per layer
+        ),
     )
     log(
         f"  profile: {res['kernels_per_token']:.0f} kernels, {res['kernel_us_per_token']:.0f} us "
         f"of kernels in a {res['span_us_per_token']:.0f} us span per token"
     )
-    for t in res["top"]:
-        log(f"    {t['us_per_token']:8.1f} us  x{t['per_token']:5.1f}  {t['name']}")
+    step = res["step"]
+    if step:
+        log(f"  a step: {step['step_us']:.1f} us effective over {step['kernels_per_step']} kernels")
+        for t in step["by_name"][:25]:
+            log(f"    {t['effective_us']:8.1f} us  x{t['per_step']:4d}  {t['name']}")
+        for t in step.get("per_layer", []):
+            log(f"    layer +{t['offset']}: {t['effective_us']:6.2f} us  {t['name']}")
     return res
 
 

@@ -63,6 +63,39 @@ def test_bench_runs_on_cpu_with_a_tiny_model(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_bench_step_breakdown_counts_each_kernel_past_the_one_before():
+    # A made-up profile: steps of copy, embedding, two layers of (wqkv, attention, wo), output,
+    # chunk, sample. Each kernel is (name, start after the latest end so far, duration): a
+    # negative start overlaps, as programmatic dependent launch does.
+    from scripts import bench
+
+    layer = [("gemv_wqkv", -0.5, 5), ("decode_attention", -1, 3), ("gemv_wo", -1, 0.5)]
+    step = [("copy", 2, 1), ("embed", 0, 2), *layer, *layer, ("output", 0, 10),
+            ("chunk", 0.5, 1), ("sample_top_k", 0, 4)]  # fmt: skip
+    # effective: 2 + 1, 2, then per layer 4.5, 2 and 0 (wo ends before attention), 10, 1.5, 4
+    want = [3, 2, 4.5, 2, 0, 4.5, 2, 0, 10, 1.5, 4]
+    kernels, latest = [], 100.0
+    for k in range(7):
+        # the 6th step recompiled: one kernel more, so it is left out
+        for name, after, dur in step + ([("recompile", 0, 50)] if k == 5 else []):
+            kernels.append((name, latest + after, latest + after + dur))
+            latest = max(latest, latest + after + dur)
+    kernels.reverse()  # any order
+    res = bench.step_breakdown(kernels, "sample", "attention", skip=1)
+    assert res["steps"] == 4 and res["kernels_per_step"] == len(step)
+    assert res["step_us"] == pytest.approx(sum(want))
+    assert res["layers"] == 2
+    assert [(r["name"], r["effective_us"]) for r in res["per_layer"]] == [
+        ("gemv_wqkv", pytest.approx(4.5)), ("decode_attention", 2), ("gemv_wo", 0)
+    ]  # fmt: skip
+    outside = [(r["name"], r["effective_us"]) for r in res["outside_layers"]]
+    assert outside == [(name, pytest.approx(w)) for (name, _, _), w in zip(step, want)
+                       if name in ("copy", "embed", "output", "chunk", "sample_top_k")]  # fmt: skip
+    by_name = {r["name"]: (r["per_step"], r["effective_us"]) for r in res["by_name"]}
+    assert by_name["gemv_wqkv"] == (2, pytest.approx(9.0))
+    assert bench.step_breakdown(kernels, "no such kernel", "attention") == {}
+
+
 def test_bench_checks_its_flags_first():
     # Bad values fail at once with one line, before any model is built.
     import bench
