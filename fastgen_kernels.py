@@ -1844,11 +1844,10 @@ def sample_top_k(
     logits: Tensor, temperature: float, top_k: int, seed: Tensor | None = None,
     pos: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
-    # logits [B, V], temperature > 0 -> tokens [B, 1]. seed [B] int32 and pos [1] (the step's
-    # position): the draw is keyed by both; without them, by fresh seeds from torch's generator.
-    if seed is None or pos is None:
+    # logits [B, V], temperature > 0 -> tokens [B, 1]. The draw is keyed by seed [B] int32 (fresh
+    # from torch's generator when None) and, when given, pos [1]: the step's position.
+    if seed is None:
         seed = torch.randint(1 << 31, (logits.shape[0],), device=logits.device, dtype=torch.int32)
-        pos = None
     return torch.ops.fastgen.sample_top_k(logits, seed, pos, temperature, top_k)
 
 

@@ -152,12 +152,12 @@ def step_breakdown(
     kernels: list[tuple[str, float, float]], last: str, layer: str, skip: int = 3
 ) -> dict:
     # Where a decode step's time goes. kernels: (name, start, end) in µs of a profiled run, in
-    # any order; last: a substring of the name of the kernel that ends each step (the sampler);
-    # layer: one of the kernel that runs once per layer (attention); the first `skip` steps
-    # (warm-up) are left out. A kernel's effective time is its end minus
-    # the latest end of the kernels that started before it, or 0 when it ends earlier: kernels
-    # overlap under programmatic dependent launch, so their durations overcount, while the
-    # effective times of a step add up to its span, a gap counted to the kernel after it.
+    # any order; last and layer: substrings of the names of the kernel that ends each step (the
+    # sampler) and of one that runs once per layer (attention); the first `skip` steps (warm-up)
+    # are left out. A kernel's effective time is its end minus the latest end of the kernels
+    # that started before it, or 0 when it ends earlier: kernels overlap under programmatic
+    # dependent launch, so their durations overcount, while the effective times of a step add
+    # up to its span, a gap counted to the kernel after it.
     kernels = sorted(kernels, key=lambda k: k[1])
     eff, latest = [], None
     for _, start, end in kernels:
