@@ -1753,7 +1753,7 @@ if triton is not None:
             # for bfloat16, and up to as many fewer bisection steps
             SHIFT: tl.constexpr = 23 - x_ptr.dtype.element_ty.fp_mantissa_width
             n = tl.atomic_add(cnt_ptr + 2 * row, 0, sem="acquire")  # candidates, >= top_k
-            seed = tl.load(seed_ptr + row)
+            seed = tl.load(seed_ptr + row).to(tl.int32)  # int64 seeds below 2^31
             if AT_POS:
                 seed = tl.randint(seed, tl.load(pos_ptr).to(tl.int32)).to(tl.int32, bitcast=True)
             r = tl.arange(0, CAP)
@@ -1795,7 +1795,7 @@ def _sample_top_k_launch(
     logits: Tensor, seeds: Tensor, pos: Tensor | None, temperature: float, top_k: int,
     block=4096, cap=TOP_K_CAP,
 ) -> Tensor:  # fmt: skip
-    # logits [B, V] (any float dtype, rows may be strided), seeds [B] int32, pos None or [1] the
+    # logits [B, V] (any float dtype, rows may be strided), seeds [B] below 2^31, pos None or [1] the
     # step's position (int64) -> tokens [B, 1]. block: values per program of the second kernel;
     # cap: TOP_K_CAP (tests make both small).
     B, V = logits.shape
@@ -1844,10 +1844,11 @@ def sample_top_k(
     logits: Tensor, temperature: float, top_k: int, seed: Tensor | None = None,
     pos: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
-    # logits [B, V], temperature > 0 -> tokens [B, 1]. The draw is keyed by seed [B] int32 (fresh
-    # from torch's generator when None) and, when given, pos [1]: the step's position.
+    # logits [B, V], temperature > 0 -> tokens [B, 1]. The draw is keyed by seed [B] (int64
+    # below 2^31; fresh from torch's generator when None) and, when given, pos [1]: the step's
+    # position.
     if seed is None:
-        seed = torch.randint(1 << 31, (logits.shape[0],), device=logits.device, dtype=torch.int32)
+        seed = torch.randint(1 << 31, (logits.shape[0],), device=logits.device)
     return torch.ops.fastgen.sample_top_k(logits, seed, pos, temperature, top_k)
 
 

@@ -82,8 +82,8 @@ def sample(
     seed: Tensor | None = None, pos: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     # logits [B, T, vocab] -> next token [B, 1] from the last position, and its distribution
-    # (None for greedy, where the distribution is a point mass on the argmax). seed [B] int32
-    # and pos [1], the step's position: the CUDA top-k kernels key their draw by both, so a
+    # (None for greedy, where the distribution is a point mass on the argmax). seed [B] (below
+    # 2^31) and pos [1], the step's position: the CUDA top-k kernels key their draw by both, so a
     # CUDA-graphed step draws no random numbers of its own; elsewhere torch's generator draws.
     logits = logits[:, -1]
     if temperature == 0:
@@ -198,7 +198,9 @@ def generate(
     # floats always: an int 0 and a float 0.8 would be two compiled graphs. One seed per row
     # from torch's generator keys every step's draw with the step's position (see sample).
     sampling = dict(temperature=float(temperature), top_k=top_k, top_p=float(top_p))
-    sampling["seed"] = torch.randint(1 << 31, (B,), device=device, dtype=torch.int32)
+    # int64 like the token and the position: CUDA graph trees copy a step's inputs in with one
+    # foreach kernel when they share a dtype, and with a memcpy each when they do not.
+    sampling["seed"] = torch.randint(1 << 31, (B,), device=device)
     input_pos = torch.arange(start_pos, start_pos + T, device=device)
     from_zero = start_pos == 0 and pad is None
     token = prefill_fn(model, prompt, input_pos, pad, from_zero, **sampling).clone()  # [B, 1]

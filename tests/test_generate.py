@@ -60,6 +60,25 @@ def test_stop_ids_cut_each_row():
     assert cut == free[: free.index(stop) + 1]
 
 
+def test_decode_step_inputs_share_one_dtype():
+    # The step's tensor inputs that change (token, position, sampling seed) share one dtype:
+    # CUDA graph trees then copy them into the graph with one foreach kernel, and with one
+    # memcpy each when they differ (round 25's H100 profile: about 2.7 us of a step apiece).
+    from generate import decode_one_token
+
+    model = random_model()
+    model.setup_caches(1, 64)
+    seen = []
+
+    def spy(model, x, input_pos, pad, **sampling):
+        tensors = (x, input_pos, *sampling.values())
+        seen.append({t.dtype for t in tensors if isinstance(t, torch.Tensor)})
+        return decode_one_token(model, x, input_pos, pad, **sampling)
+
+    generate(model, torch.tensor([[1, 2, 3]]), 4, temperature=0.8, top_k=20, decode_fn=spy)
+    assert len(seen) == 3 and all(s == {torch.int64} for s in seen)
+
+
 def test_compiled_decode_equals_eager():
     model = random_model()
     model.setup_caches(1, 64)

@@ -575,7 +575,7 @@ def draw_counts(logits, temperature, top_k, draws, pos=None, **launch):
     # draws rows of the same logits [V] through the top-k sampling kernels, one seed each (and
     # the step's position pos, an int, when given) -> (how often each token came, the tokens)
     torch.manual_seed(draws)
-    seeds = torch.randint(1 << 31, (draws,), dtype=torch.int32, device=DEVICE)
+    seeds = torch.randint(1 << 31, (draws,), device=DEVICE)
     rows = logits[None].expand(draws, -1)
     if pos is not None:
         pos = torch.tensor([pos], device=DEVICE)
