@@ -1795,9 +1795,9 @@ def _sample_top_k_launch(
     logits: Tensor, seeds: Tensor, pos: Tensor | None, temperature: float, top_k: int,
     block=4096, cap=TOP_K_CAP,
 ) -> Tensor:  # fmt: skip
-    # logits [B, V] (any float dtype, rows may be strided), seeds [B] below 2^31, pos None or [1] the
-    # step's position (int64) -> tokens [B, 1]. block: values per program of the second kernel;
-    # cap: TOP_K_CAP (tests make both small).
+    # logits [B, V] (any float dtype, rows may be strided), seeds [B] below 2^31, pos None or
+    # [1] the step's position (int64) -> tokens [B, 1]. block: values per program of the second
+    # kernel; cap: TOP_K_CAP (tests make both small).
     B, V = logits.shape
     chunk = top_k_chunk(V, top_k)
     n_chunks = triton.cdiv(V, chunk)
