@@ -784,10 +784,19 @@ if gluon is not None:
         return s.to(gl.float32) * (qx - z.to(gl.float32) * xsum)
 
     @gluon.jit
+    def _gl_int4_step(w_rows, s_ptr, z_ptr, g_off, n_ok3, n_ok2, rb3, rb, k, K, G: gl.constexpr):
+        # the step at k of _int4_row_gluon's weights [BN, NB, 4] and their groups' scales and
+        # offsets [BN, NB], masked off past K
+        w = gl.load(w_rows + k // 8, mask=n_ok3 & (k + rb3 * 32 < K), other=0)
+        sg_ok = n_ok2 & gl.expand_dims(k + rb * 32 < K, 0)
+        s = gl.load(s_ptr + g_off + k // G, mask=sg_ok, other=0)
+        return w, s, gl.load(z_ptr + g_off + k // G, mask=sg_ok, other=0)
+
+    @gluon.jit
     def _int4_row_gluon(
         x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn, stride_sn,
         G: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
-        BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+        BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr, EARLY: gl.constexpr,
     ):  # fmt: skip
         NB: gl.constexpr = 32 * NUM_WARPS  # blocks of 32 k per step: one per thread
         BLOCK_K: gl.constexpr = 32 * NB
@@ -805,13 +814,14 @@ if gluon is not None:
         n_ok2 = gl.expand_dims(n_ok, 1)
         x_in, xb3 = _gl_x_offsets(NB, 4, 8, X3)  # [NB, 4, 8]
 
-        # The first step's weights do not depend on the kernel before: they load before the wait.
-        b_ok3 = rb3 * 32 < K
-        w = gl.load(w_rows, mask=n_ok3 & b_ok3, other=0)
+        # The first EARLY steps' weights do not depend on the kernel before: they load before
+        # the wait.
         g_off = s_rows + gl.expand_dims(rb * 32 // G, 0)  # [BN, NB]
-        sg_ok = n_ok2 & gl.expand_dims(rb * 32 < K, 0)
-        s = gl.load(s_ptr + g_off, mask=sg_ok, other=0)
-        z = gl.load(z_ptr + g_off, mask=sg_ok, other=0)
+        w, s, z = _gl_int4_step(w_rows, s_ptr, z_ptr, g_off, n_ok3, n_ok2, rb3, rb, 0, K, G)
+        if EARLY == 2:
+            w_next, s_next, z_next = _gl_int4_step(
+                w_rows, s_ptr, z_ptr, g_off, n_ok3, n_ok2, rb3, rb, BLOCK_K, K, G
+            )
         if PDL:
             _gl_pdl_wait()
         if RESIDUAL:
@@ -819,14 +829,10 @@ if gluon is not None:
         acc = gl.zeros([BLOCK_N, NB], gl.float32, LQ)
         ss = gl.zeros([NB], gl.float32, XB)
         for k0 in range(0, K, BLOCK_K):
-            # the next step's weights, in flight while this one computes (masked off past K)
-            k1 = k0 + BLOCK_K
-            b1_ok3 = k1 + rb3 * 32 < K
-            w_next = gl.load(w_rows + k1 // 8, mask=n_ok3 & b1_ok3, other=0)
-            g1_off = g_off + k1 // G
-            sg1_ok = n_ok2 & gl.expand_dims(k1 + rb * 32 < K, 0)
-            s_next = gl.load(s_ptr + g1_off, mask=sg1_ok, other=0)
-            z_next = gl.load(z_ptr + g1_off, mask=sg1_ok, other=0)
+            if EARLY == 1:  # the next step's weights, in flight while this one computes
+                w_next, s_next, z_next = _gl_int4_step(
+                    w_rows, s_ptr, z_ptr, g_off, n_ok3, n_ok2, rb3, rb, k0 + BLOCK_K, K, G
+                )
             # x: this thread's block of 32, with the prologue, rounded to int8 like
             # activation_int8_reference
             xv, ss = _gl_load_x(x_ptr, k0 + x_in, k0 + xb3 * 32 < K, nw_ptr, K, ss, NORM, GLU)
@@ -835,6 +841,10 @@ if gluon is not None:
             w = w_next
             s = s_next
             z = z_next
+            if EARLY == 2:  # the step after next, into the registers this one freed
+                w_next, s_next, z_next = _gl_int4_step(
+                    w_rows, s_ptr, z_ptr, g_off, n_ok3, n_ok2, rb3, rb, k0 + 2 * BLOCK_K, K, G
+                )
         out = gl.sum(acc, axis=1)  # [BN]
         if NORM:
             out = out * gl.rsqrt(gl.sum(ss, axis=0) / K + eps)
@@ -919,7 +929,7 @@ if gluon is not None:
     def _int8_row_gluon(
         x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn,
         NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
-        BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+        BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr, EARLY: gl.constexpr,
     ):  # fmt: skip
         # One row against int8 rows (per-row scales), the layouts as in _int4_row_gluon: each
         # thread owns one block of 16 k, its 4 weight words (16 bytes) of every row and the same
@@ -939,8 +949,11 @@ if gluon is not None:
         n_ok3 = rn3 < N
         x_in, xb3 = _gl_x_offsets(NB, 4, 4, X3)  # [NB, 4, 4]
 
-        # The first step's weights do not depend on the kernel before: they load before the wait.
+        # The first EARLY steps' weights do not depend on the kernel before: they load before
+        # the wait.
         w = gl.load(w_rows, mask=n_ok3 & (rb3 * 16 < K), other=0)
+        if EARLY == 2:
+            w_next = gl.load(w_rows + BLOCK_K // 4, mask=n_ok3 & (BLOCK_K + rb3 * 16 < K), other=0)
         if PDL:
             _gl_pdl_wait()
         if RESIDUAL:
@@ -950,8 +963,9 @@ if gluon is not None:
         xs = gl.zeros([NB], gl.float32, XB)  # sum of x'
         ss = gl.zeros([NB], gl.float32, XB)
         for k0 in range(0, K, BLOCK_K):
-            k1 = k0 + BLOCK_K  # the next step's weights, in flight while this one computes
-            w_next = gl.load(w_rows + k1 // 4, mask=n_ok3 & (k1 + rb3 * 16 < K), other=0)
+            if EARLY == 1:  # the next step's weights, in flight while this one computes
+                k1 = k0 + BLOCK_K
+                w_next = gl.load(w_rows + k1 // 4, mask=n_ok3 & (k1 + rb3 * 16 < K), other=0)
             xv, ss = _gl_load_x(x_ptr, k0 + x_in, k0 + xb3 * 16 < K, nw_ptr, K, ss, NORM, GLU)
             xs += gl.sum(gl.sum(xv, axis=2), axis=1)
             # x' = x * 2^15 by byte, then by word: x_i[t] is k = 4t + i of the block
@@ -969,6 +983,9 @@ if gluon is not None:
                 acc += v2 * gl.expand_dims(gl.convert_layout(x2[t], XL), 0)
                 acc += v3 * gl.expand_dims(gl.convert_layout(x3[t], XL), 0)
             w = w_next
+            if EARLY == 2:  # the step after next, into the registers this one freed
+                k2 = k0 + 2 * BLOCK_K
+                w_next = gl.load(w_rows + k2 // 4, mask=n_ok3 & (k2 + rb3 * 16 < K), other=0)
         # sum(v * x') = 2^15 sum(x) + sum((q + 128) x)
         acc = gl.convert_layout(acc, LQ, assert_trivial=True)
         out = gl.sum(acc, axis=1) - (32768.0 + 128.0) * gl.sum(xs, axis=0)  # [BN]
@@ -984,6 +1001,7 @@ if gluon is not None:
         x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn,
         FP8: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
         VEC: gl.constexpr, BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
+        EARLY: gl.constexpr,
     ):  # fmt: skip
         # One row against float rows (bfloat16, float16, float32, or float8 bytes with per-row
         # scales), the layouts as in _int4_row_gluon: each thread owns one block of VEC k (16
@@ -1003,8 +1021,11 @@ if gluon is not None:
         n_ok3 = rn3 < N
         x_in, xb3 = _gl_x_offsets(NB, 2, VEC // 2, X3)  # [NB, 2, VEC / 2]
 
-        # The first step's weights do not depend on the kernel before: they load before the wait.
+        # The first EARLY steps' weights do not depend on the kernel before: they load before
+        # the wait.
         w = gl.load(w_rows, mask=n_ok3 & (rb3 * VEC < K), other=0)
+        if EARLY == 2:
+            w_next = gl.load(w_rows + BLOCK_K, mask=n_ok3 & (BLOCK_K + rb3 * VEC < K), other=0)
         if PDL:
             _gl_pdl_wait()
         if RESIDUAL:
@@ -1012,14 +1033,18 @@ if gluon is not None:
         acc = gl.zeros([BLOCK_N, NB], gl.float32, gl.SliceLayout(2, L3))
         ss = gl.zeros([NB], gl.float32, XB)
         for k0 in range(0, K, BLOCK_K):
-            k1 = k0 + BLOCK_K  # the next step's weights, in flight while this one computes
-            w_next = gl.load(w_rows + k1, mask=n_ok3 & (k1 + rb3 * VEC < K), other=0)
+            if EARLY == 1:  # the next step's weights, in flight while this one computes
+                k1 = k0 + BLOCK_K
+                w_next = gl.load(w_rows + k1, mask=n_ok3 & (k1 + rb3 * VEC < K), other=0)
             xv, ss = _gl_load_x(x_ptr, k0 + x_in, k0 + xb3 * VEC < K, nw_ptr, K, ss, NORM, GLU)
             xv = gl.convert_layout(gl.reshape(xv, [NB, VEC]), gl.SliceLayout(0, L3))
             if FP8:
                 w = w.to(gl.float8e4nv, bitcast=True)
             acc += gl.sum(w.to(gl.float32) * gl.expand_dims(xv, 0), axis=2)
             w = w_next
+            if EARLY == 2:  # the step after next, into the registers this one freed
+                k2 = k0 + 2 * BLOCK_K
+                w_next = gl.load(w_rows + k2, mask=n_ok3 & (k2 + rb3 * VEC < K), other=0)
         out = gl.sum(acc, axis=1)  # [BN]
         if FP8:
             out = out * gl.load(s_ptr + rn, mask=n_ok, other=0).to(gl.float32)
@@ -1324,9 +1349,11 @@ def _gluon_row_launch(
     block_n: int,
     warps: int,
     tiles: int = 1,
+    early: int = 1,
 ) -> Tensor | None:
     # One row x [1, K] on a Gluon kernel, block_n rows and `warps` warps per program -> y [1,
-    # N] (int4 with K <= 1024 * warps: `tiles` tiles of block_n rows per program), or None
+    # N] (int4 with K <= 1024 * warps: `tiles` tiles of block_n rows per program; otherwise
+    # the first `early` K steps, 1 or 2, load before the wait on the kernel before), or None
     # where none takes it: Gluon missing, not CUDA, Triton's interpreter (it has no Gluon), or
     # weights not in whole 16-byte blocks of the row (int8 and float: K a multiple of the
     # block, rows contiguous and 16-byte aligned).
@@ -1345,6 +1372,7 @@ def _gluon_row_launch(
     nw = norm_weight if norm_weight is not None else y
     r = residual.reshape(1, N) if residual is not None else y
     grid = (triton.cdiv(N, block_n),)
+    row = dict(EARLY=early, **fused)
     if fmt == INT4 and tiles > 1 and K <= 1024 * warps:
         w = weight.view(torch.int32)
         _int4_rows_gluon[(triton.cdiv(N, block_n * tiles),)](
@@ -1355,17 +1383,17 @@ def _gluon_row_launch(
         w = weight.view(torch.int32)
         _int4_row_gluon[grid](
             x, w, scales, zeros, nw, r, y, N, K, eps, w.stride(-2), scales.stride(-2),
-            G=groupsize, **fused,
+            G=groupsize, **row,
         )  # fmt: skip
     elif fmt == INT8:
         w = weight.view(torch.int32)
-        _int8_row_gluon[grid](x, w, scales, nw, r, y, N, K, eps, w.stride(-2), **fused)
+        _int8_row_gluon[grid](x, w, scales, nw, r, y, N, K, eps, w.stride(-2), **row)
     else:  # float, or float8 as its bytes with row scales
         w = weight.view(torch.uint8) if fmt == FP8 else weight
         vec = 16 // w.element_size()
         s = scales if fmt == FP8 else y
         _float_row_gluon[grid](
-            x, w, s, nw, r, y, N, K, eps, w.stride(-2), FP8=fmt == FP8, VEC=vec, **fused
+            x, w, s, nw, r, y, N, K, eps, w.stride(-2), FP8=fmt == FP8, VEC=vec, **row
         )  # fmt: skip
     return y
 

@@ -73,16 +73,17 @@ def test_gemv_matches_reference(fmt, rows, split_k, stages):
 @pytest.mark.parametrize(
     "fmt, groupsize",
     [("int4", 32), ("int4", 128), ("int4 tiles", 32), ("int8", 0), ("bf16", 0), ("float", 0)]
-    + [("fp8", 0)],
+    + [("fp8", 0), ("int4 early", 32), ("int8 early", 0), ("bf16 early", 0)],
 )
 @pytest.mark.parametrize("block_n, warps", [(4, 2), (8, 4), (16, 8)])
 def test_gluon_row_matches_reference(fusion, fmt, groupsize, block_n, warps):
     # The Gluon one-row GEMVs: odd row counts, K not a whole number of steps (per warp: 1024 k
     # for int4, 512 for int8, 256 for bfloat16...), the layer fusions, poisoned outputs. Rows
     # not in whole 16-byte blocks (K = 260: int8 and bfloat16) take the Triton kernel. "int4
-    # tiles": 3 tiles of rows per program where K fits one step (K <= 1024 * warps).
+    # tiles": 3 tiles of rows per program where K fits one step (K <= 1024 * warps). "early":
+    # the first two K steps load before the wait on the kernel before.
     torch.manual_seed(block_n + warps + groupsize)
-    tiles = (3,) if fmt == "int4 tiles" else ()
+    tiles = {"tiles": (3,), "early": (1, 2)}.get(fmt.split()[-1], ())
     fmt = fmt.split()[0]
     shapes = [(37, 256), (129, 384), (4096, 4096), (4096, 11008), (12288, 4096)]
     dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
