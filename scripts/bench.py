@@ -830,6 +830,8 @@ def sweep_configs(fmt, N, K, groupsize=32, experts=0):
         # step: 1024 k for int4, 512 for int8, 256 for bfloat16)
         for rows_warps in [(4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4)]:
             configs.append(dict(triton_default, GLUON=rows_warps))
+        for rows_warps in [(4, 2), (8, 2), (8, 4)]:  # two K steps loaded before the wait
+            configs.append(dict(triton_default, GLUON=(*rows_warps, 1, 2)))
         if fmt == kernels.INT4 and K <= 4096:  # and tiles of rows per program (one K step)
             for tiles in [(8, 4, 4), (8, 4, 8), (16, 4, 2), (16, 4, 4), (16, 4, 8)]:
                 configs.append(dict(triton_default, GLUON=tiles))
