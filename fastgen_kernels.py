@@ -1148,8 +1148,8 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
 
 
 def gluon_row_shape(fmt: int, N: int, K: int, groupsize: int = 0) -> tuple | None:
-    # (rows per program, warps[, tiles]) of the one-row Gluon kernels on the shapes where they
-    # beat Triton's launch alone, or None for Triton.
+    # (rows per program, warps[, tiles[, early]]) of the one-row Gluon kernels on the shapes
+    # where they beat Triton's launch alone, or None for Triton.
     if fmt == INT4:
         # Round 18, on an H100: 7B wo 5.6 us against 6.1 (4 rows, 2 warps), w2 13.2 against
         # 14.0 (16, 4); 8B g128 wqkv 6.7 against 7.3 (8, 2), wo 5.2 against 5.9, w2 15.4
@@ -1270,7 +1270,8 @@ def _gemv_launch(
         cfg = dict(config or gemv_config(fmt, 1, N, K, groupsize, experts=M))
     else:
         cfg = dict(config or gemv_config(fmt, M, N, K, groupsize))
-    # GLUON (rows, warps[, row tiles]): a Gluon kernel instead, where one takes the shape
+    # GLUON (rows, warps[, row tiles[, early K steps]]): a Gluon kernel instead, where one takes
+    # the shape
     gl_cfg = cfg.pop("GLUON", None)
     if gl_cfg and M == 1 and not experts and bias is None:
         args = (x2, weight, fmt, scales, zeros, groupsize, norm_weight, eps, glu, residual)
