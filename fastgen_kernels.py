@@ -814,10 +814,14 @@ if gluon is not None:
         n_ok2 = gl.expand_dims(n_ok, 1)
         x_in, xb3 = _gl_x_offsets(NB, 4, 8, X3)  # [NB, 4, 8]
 
-        # The first EARLY steps' weights do not depend on the kernel before: they load before
-        # the wait.
+        # The first step's weights (EARLY 2: the first two steps') do not depend on the kernel
+        # before: they load before the wait.
+        b_ok3 = rb3 * 32 < K
+        w = gl.load(w_rows, mask=n_ok3 & b_ok3, other=0)
         g_off = s_rows + gl.expand_dims(rb * 32 // G, 0)  # [BN, NB]
-        w, s, z = _gl_int4_step(w_rows, s_ptr, z_ptr, g_off, n_ok3, n_ok2, rb3, rb, 0, K, G)
+        sg_ok = n_ok2 & gl.expand_dims(rb * 32 < K, 0)
+        s = gl.load(s_ptr + g_off, mask=sg_ok, other=0)
+        z = gl.load(z_ptr + g_off, mask=sg_ok, other=0)
         if EARLY == 2:
             w_next, s_next, z_next = _gl_int4_step(
                 w_rows, s_ptr, z_ptr, g_off, n_ok3, n_ok2, rb3, rb, BLOCK_K, K, G
@@ -829,10 +833,15 @@ if gluon is not None:
         acc = gl.zeros([BLOCK_N, NB], gl.float32, LQ)
         ss = gl.zeros([NB], gl.float32, XB)
         for k0 in range(0, K, BLOCK_K):
-            if EARLY == 1:  # the next step's weights, in flight while this one computes
-                w_next, s_next, z_next = _gl_int4_step(
-                    w_rows, s_ptr, z_ptr, g_off, n_ok3, n_ok2, rb3, rb, k0 + BLOCK_K, K, G
-                )
+            if EARLY == 1:
+                # the next step's weights, in flight while this one computes (masked off past K)
+                k1 = k0 + BLOCK_K
+                b1_ok3 = k1 + rb3 * 32 < K
+                w_next = gl.load(w_rows + k1 // 8, mask=n_ok3 & b1_ok3, other=0)
+                g1_off = g_off + k1 // G
+                sg1_ok = n_ok2 & gl.expand_dims(k1 + rb * 32 < K, 0)
+                s_next = gl.load(s_ptr + g1_off, mask=sg1_ok, other=0)
+                z_next = gl.load(z_ptr + g1_off, mask=sg1_ok, other=0)
             # x: this thread's block of 32, with the prologue, rounded to int8 like
             # activation_int8_reference
             xv, ss = _gl_load_x(x_ptr, k0 + x_in, k0 + xb3 * 32 < K, nw_ptr, K, ss, NORM, GLU)
