@@ -1163,24 +1163,28 @@ def gluon_row_shape(fmt: int, N: int, K: int, groupsize: int = 0) -> tuple | Non
         # Round 18, on an H100: 7B wo 5.6 us against 6.1 (4 rows, 2 warps), w2 13.2 against
         # 14.0 (16, 4); 8B g128 wqkv 6.7 against 7.3 (8, 2), wo 5.2 against 5.9, w2 15.4
         # against 16.2. Round 20, on the H200: 7B g32 wqkv with x rounded once for 4 tiles of 8
-        # rows, 10.0 us against 11.5. w13 and the output layer stay on Triton (7B g32 w13 17.0
-        # against 17.5, 8B g128 w13 18.9 against 18.6).
+        # rows, 10.0 us against 11.5. Round 26, decode on an H100: 7B g32 w13 on 8 tiles of 8
+        # rows, 529.5 tok/s against 527.4 (alone, round 20's H200: 17.0 us against 17.5); 8B
+        # g128 w13 (N = 7K) 483.6 against 515.7, so it and the output layers stay on Triton.
         if N == K:
             return (4, 2)
         if N < K:
             return (16, 4)
         if N < 2 * K:
             return (8, 2)
-        return (8, 4, 4) if N < 4 * K and K <= 4096 and groupsize < 64 else None
+        if K > 4096 or groupsize >= 64 or N >= 7 * K:
+            return None
+        return (8, 4, 4) if N < 4 * K else (8, 4, 8)
     if N <= 64:  # a router's few rows keep their one Triton program
         return None
     # Round 20, on the H200 (bench_results/h200_gluon_sweep_round20_*): int8 Llama-2-7B wo 6.7
     # us against 7.0, w13 25.4 against 26.4, w2 15.7 against 16.5, the output layer 31.8
     # against 33.7 (wqkv: 15.6 against 15.2, stays); bfloat16 wo 11.0 against 11.7, w2 26.2
     # against 27.1 (8B: 32.9 against 34.0), wqkv 25.1 against 26.2 (8B: 14.4 against 15.1).
-    # bfloat16 w13 and output layers were as fast on Triton.
+    # bfloat16 w13 and output layers were as fast on Triton. Round 26, decode on an H100: int8
+    # 7B wqkv on Gluon too, 375.7 tok/s against 371.3, though alone it was slower.
     if fmt == INT8:
-        return None if K < N < 4 * K else (8, 4)
+        return (8, 4)
     if fmt != FLOAT:
         return None
     if N == K:

@@ -120,10 +120,12 @@ def test_gluon_is_the_default_where_it_measured_faster():
         (kernels.INT4, 1, 256, 256, 32): (4, 2),
         (kernels.INT4, 1, 12288, 4096, 32): (8, 4, 4),  # Llama-2-7B wqkv, tiles
         (kernels.INT4, 1, 12288, 4096, 128): None,
-        (kernels.INT4, 1, 22016, 4096, 32): None,  # w13
+        (kernels.INT4, 1, 22016, 4096, 32): (8, 4, 8),  # Llama-2-7B w13, 8 tiles
+        (kernels.INT4, 1, 28672, 4096, 128): None,  # Llama-3.1-8B w13
+        (kernels.INT4, 1, 32000, 4096, 32): None,  # an output layer
         (kernels.INT8, 1, 4096, 4096, 0): (8, 4),
         (kernels.INT8, 1, 32000, 4096, 0): (8, 4),
-        (kernels.INT8, 1, 12288, 4096, 0): None,  # wqkv
+        (kernels.INT8, 1, 12288, 4096, 0): (8, 4),  # wqkv
         (kernels.FLOAT, 1, 4096, 4096, 0): (4, 2),
         (kernels.FLOAT, 1, 4096, 11008, 0): (8, 4),
         (kernels.FLOAT, 1, 12288, 4096, 0): (8, 2),
@@ -430,7 +432,14 @@ def test_moe_decode_through_expert_gemv_equals_moe_py(mode):
 @pytest.mark.parametrize("fmt", sorted(FMTS))
 def test_gemv_default_config_bf16(fmt):
     torch.manual_seed(0)
-    for N, K in [(4096, 4096), (32000, 4096), (12288, 4096), (4096, 11008), (577, 576)]:
+    for N, K in [
+        (4096, 4096),
+        (32000, 4096),
+        (12288, 4096),
+        (22016, 4096),
+        (4096, 11008),
+        (577, 576),
+    ]:
         w = make(FMTS[fmt], N, K, dtype=torch.bfloat16)
         for rows in (1, 8, 40):
             x = torch.randn(rows, K, device=DEVICE, dtype=torch.bfloat16)
