@@ -1158,7 +1158,7 @@ def gemv_config(fmt: int, M: int, N: int, K: int, groupsize: int = 0, experts: i
 
 def gluon_row_shape(fmt: int, N: int, K: int, groupsize: int = 0) -> tuple | None:
     # (rows per program, warps[, tiles[, early]]) of the one-row Gluon kernels on the shapes
-    # where they beat Triton's launch alone, or None for Triton.
+    # where they beat Triton's launch, alone or in decode, or None for Triton.
     if fmt == INT4:
         # Round 18, on an H100: 7B wo 5.6 us against 6.1 (4 rows, 2 warps), w2 13.2 against
         # 14.0 (16, 4); 8B g128 wqkv 6.7 against 7.3 (8, 2), wo 5.2 against 5.9, w2 15.4
@@ -1179,7 +1179,7 @@ def gluon_row_shape(fmt: int, N: int, K: int, groupsize: int = 0) -> tuple | Non
         return None
     # Round 20, on the H200 (bench_results/h200_gluon_sweep_round20_*): int8 Llama-2-7B wo 6.7
     # us against 7.0, w13 25.4 against 26.4, w2 15.7 against 16.5, the output layer 31.8
-    # against 33.7 (wqkv: 15.6 against 15.2, stays); bfloat16 wo 11.0 against 11.7, w2 26.2
+    # against 33.7 (wqkv: 15.6 against 15.2); bfloat16 wo 11.0 against 11.7, w2 26.2
     # against 27.1 (8B: 32.9 against 34.0), wqkv 25.1 against 26.2 (8B: 14.4 against 15.1).
     # bfloat16 w13 and output layers were as fast on Triton. Round 26, decode on an H100: int8
     # 7B wqkv on Gluon too, 375.7 tok/s against 371.3, though alone it was slower.
