@@ -112,8 +112,9 @@ def test_gluon_row_matches_reference(fusion, fmt, groupsize, block_n, warps):
 def test_gluon_is_the_default_where_it_measured_faster():
     # One-row int4, int8 and bfloat16 GEMVs default to the Gluon kernels on the shapes where
     # they beat Triton, alone or in decode (gluon_row_shape's comments); the rest, batches,
-    # experts and routers stay on Triton. A config that names Gluon still runs where Gluon cannot (CPU, the
-    # interpreter): the launch falls back to the Triton kernel with the same result.
+    # experts and routers stay on Triton. A config that names Gluon still runs where Gluon
+    # cannot (CPU, the interpreter): the launch falls back to the Triton kernel with the same
+    # result.
     if kernels.gluon is None:
         pytest.skip("this Triton has no Gluon")
     shapes = {
