@@ -70,6 +70,8 @@ def gemv_reference(
     # by consecutive output rows: a token's k experts). With router_logits [T, E]: the experts
     # are each token's top_k picks by moe.route, T * top_k rows; mix: x has those T * top_k
     # rows, and output row t is the sum of token t's rows times their routing weights.
+    if fmt == INT4 and scales.dtype == torch.int32:  # int4_group_words' words
+        scales, zeros = int4_group_pairs(scales)
     if router_logits is not None:
         from moe import route
 
@@ -286,8 +288,14 @@ if triton is not None:
             return tl.div_rn(tl.full(a.shape, 1.0, tl.float32), a)
 
     @triton.jit
+    def _scale_offset(v):
+        # int4 group words (int4_group_words) -> their scales and offsets as float32: a
+        # bfloat16's bits are the top half of the float32 of the same value
+        return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _int4_words(
-        x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, rstd, K, stride_wn, stride_sn, rn, n_ok, k_lo, k_hi,
+        x_ptr, w_ptr, s_ptr, nw_ptr, rstd, K, stride_wn, stride_sn, rn, n_ok, k_lo, k_hi,
         G: tl.constexpr, SG: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
@@ -324,8 +332,7 @@ if triton is not None:
                 + (tl.multiple_of(k // G, NG) + rg)[None, :]
             )
             sg_ok = n_ok[:, None] & ((k + G * SG * (rg // SG)) < k_hi)[None, :]
-            s = tl.load(s_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)  # [BN, NG]
-            z = tl.load(z_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)
+            s, z = _scale_offset(tl.load(s_ptr + s_off, mask=sg_ok, other=0))  # [BN, NG]
             kb = k + 32 * tl.arange(0, NB)  # [NB] first k of each block
             b_ok = kb < k_hi
             x_off = kb[:, None] + tl.arange(0, 32)[None, :]  # [NB, 32]
@@ -381,7 +388,7 @@ if triton is not None:
 
     @triton.jit
     def _row_dot(
-        x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, K, stride_wn, stride_sn, rn, n_ok, k_lo, k_hi,
+        x_ptr, w_ptr, s_ptr, nw_ptr, K, stride_wn, stride_sn, rn, n_ok, k_lo, k_hi,
         FMT: tl.constexpr, G: tl.constexpr, SG: tl.constexpr, NORM: tl.constexpr,
         GLU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr,
         STAGES: tl.constexpr,
@@ -396,7 +403,7 @@ if triton is not None:
             )  # fmt: skip
         elif WORDS and FMT == 2:
             out, ss = _int4_words(
-                x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, 1.0, K, stride_wn, stride_sn, rn, n_ok,
+                x_ptr, w_ptr, s_ptr, nw_ptr, 1.0, K, stride_wn, stride_sn, rn, n_ok,
                 k_lo, k_hi, G, SG, NORM, GLU, BLOCK_N, BLOCK_K, WORDS, STAGES,
             )  # fmt: skip
         else:
@@ -422,7 +429,7 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, e_ptr,
+        x_ptr, w_ptr, s_ptr, b_ptr, nw_ptr, r_ptr, y_ptr, e_ptr,
         M, N, K, eps, stride_xm, stride_wn, stride_sn, stride_rm, stride_ym, stride_we, stride_se,
         x_share, n_experts, FMT: tl.constexpr, G: tl.constexpr, SG: tl.constexpr,
         HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RESIDUAL: tl.constexpr,
@@ -455,7 +462,6 @@ if triton is not None:
                 x_ptr += (row // x_share) * stride_xm  # x_share consecutive rows read one x row
                 w_ptr += e * stride_we
                 s_ptr += e * stride_se
-                z_ptr += e * stride_se
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         # Without experts, program_id(2) picks a tile of BLOCK_M rows (prefill-sized inputs).
         rm = (0 if EXPERTS else tl.program_id(2) * BLOCK_M) + tl.arange(0, BLOCK_M)
@@ -490,14 +496,14 @@ if triton is not None:
                 e, weight = _route_pick(e_ptr + row * n_experts, n_experts, j, E_P2, TOPK)
                 part, _ = _row_dot(
                     x_ptr + (row * TOPK + j) * stride_xm, w_ptr + e * stride_we,
-                    s_ptr + e * stride_se, z_ptr + e * stride_se, nw_ptr, K, stride_wn,
+                    s_ptr + e * stride_se, nw_ptr, K, stride_wn,
                     stride_sn, rn, n_ok, k_lo, k_hi, FMT, G, SG, NORM, GLU, BLOCK_N, BLOCK_K,
                     WORDS, STAGES,
                 )  # fmt: skip
                 out += weight * part
         elif BLOCK_M == 1:
             out, ss_x = _row_dot(
-                x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, K, stride_wn, stride_sn, rn, n_ok, k_lo,
+                x_ptr, w_ptr, s_ptr, nw_ptr, K, stride_wn, stride_sn, rn, n_ok, k_lo,
                 k_hi, FMT, G, SG, NORM, GLU, BLOCK_N, BLOCK_K, WORDS, STAGES,
             )  # fmt: skip
         elif FMT == 2 and BLOCK_K == G:
@@ -512,8 +518,7 @@ if triton is not None:
             for k in range(k_lo, k_hi, BLOCK_K):  # K is a whole number of groups
                 w_off = rn[:, None] * stride_wn + (k // 2 + rj)[None, :]
                 p = tl.load(w_ptr + w_off, mask=n_ok[:, None], other=0).to(tl.int32)  # [BN, HK]
-                s = tl.load(s_ptr + rn * stride_sn + k // G, mask=n_ok, other=0).to(tl.float32)
-                z = tl.load(z_ptr + rn * stride_sn + k // G, mask=n_ok, other=0).to(tl.float32)
+                s, z = _scale_offset(tl.load(s_ptr + rn * stride_sn + k // G, mask=n_ok, other=0))
                 q = tl.reshape(tl.join(p & 15, p >> 4), [BLOCK_N, BLOCK_K])  # [BN, BK]
                 w = ((q.to(tl.float32) - z[:, None]) * s[:, None]).to(dt)
                 kk = (k + rk)[None, :]
@@ -542,8 +547,7 @@ if triton is not None:
                 hi = ((p & 240) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
                 s_off = rn[:, None] * stride_sn + (k // G + rg)[None, :]
                 sg_ok = n_ok[:, None] & g_ok[None, :]
-                s = tl.load(s_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)  # [BN, NG]
-                z = tl.load(z_ptr + s_off, mask=sg_ok, other=0).to(tl.float32)
+                s, z = _scale_offset(tl.load(s_ptr + s_off, mask=sg_ok, other=0))  # [BN, NG]
                 k_even = (k + rg * G)[:, None] + 2 * rj[None, :]  # [NG, HG]
                 xm_off = rm[:, None, None] * stride_xm + k_even[None]
                 xm_ok = m_ok[:, None, None] & g_ok[None, :, None]
@@ -756,10 +760,10 @@ if gluon is not None:
         return x_even, _gl_split4(_gl_pack_bytes(o0, o1, o2, o3)), amax
 
     @gluon.jit
-    def _gl_int4_blocks(w, s, z, x_even, x_odd, amax, LQ: gl.constexpr):
+    def _gl_int4_blocks(w, sz, x_even, x_odd, amax, LQ: gl.constexpr):
         # Weights w [BN, NB, 4] words (each thread a block of 32 k of every row), their groups'
-        # scales and offsets s, z [BN, NB] and _gl_x_int8_words' x -> [BN, NB] float32, each
-        # block's s * (sum q x - z sum x)
+        # words sz [BN, NB] (scale s and offset z) and _gl_x_int8_words' x -> [BN, NB]
+        # float32, each block's s * (sum q x - z sum x)
         BN: gl.constexpr = w.shape[0]
         NB: gl.constexpr = w.shape[1]
         w_t = _gl_split4(w)  # 4 x [BN, NB]
@@ -781,20 +785,22 @@ if gluon is not None:
         qx = q.to(gl.float32) * x_scale
         qx = gl.convert_layout(qx, LQ, assert_trivial=True)  # the same threads: no moves
         xsum = gl.convert_layout(xsum, LQ, assert_trivial=True)
-        return s.to(gl.float32) * (qx - z.to(gl.float32) * xsum)
+        # a bfloat16's bits are the top half of the float32 of the same value
+        s = (sz << 16).to(gl.float32, bitcast=True)
+        z = (sz & -65536).to(gl.float32, bitcast=True)
+        return s * (qx - z * xsum)
 
     @gluon.jit
-    def _gl_int4_step(w_rows, s_ptr, z_ptr, g_off, n_ok3, n_ok2, rb3, rb, k, K, G: gl.constexpr):
-        # the step at k of _int4_row_gluon's weights [BN, NB, 4] and their groups' scales and
-        # offsets [BN, NB], masked off past K
+    def _gl_int4_step(w_rows, s_ptr, g_off, n_ok3, n_ok2, rb3, rb, k, K, G: gl.constexpr):
+        # the step at k of _int4_row_gluon's weights [BN, NB, 4] and their group words [BN,
+        # NB], masked off past K
         w = gl.load(w_rows + k // 8, mask=n_ok3 & (k + rb3 * 32 < K), other=0)
         sg_ok = n_ok2 & gl.expand_dims(k + rb * 32 < K, 0)
-        s = gl.load(s_ptr + g_off + k // G, mask=sg_ok, other=0)
-        return w, s, gl.load(z_ptr + g_off + k // G, mask=sg_ok, other=0)
+        return w, gl.load(s_ptr + g_off + k // G, mask=sg_ok, other=0)
 
     @gluon.jit
     def _int4_row_gluon(
-        x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn, stride_sn,
+        x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn, stride_sn,
         G: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
         BLOCK_N: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr, EARLY: gl.constexpr,
     ):  # fmt: skip
@@ -820,11 +826,10 @@ if gluon is not None:
         w = gl.load(w_rows, mask=n_ok3 & b_ok3, other=0)
         g_off = s_rows + gl.expand_dims(rb * 32 // G, 0)  # [BN, NB]
         sg_ok = n_ok2 & gl.expand_dims(rb * 32 < K, 0)
-        s = gl.load(s_ptr + g_off, mask=sg_ok, other=0)
-        z = gl.load(z_ptr + g_off, mask=sg_ok, other=0)
+        sz = gl.load(s_ptr + g_off, mask=sg_ok, other=0)  # [BN, NB] group words
         if EARLY == 2:
-            w_next, s_next, z_next = _gl_int4_step(
-                w_rows, s_ptr, z_ptr, g_off, n_ok3, n_ok2, rb3, rb, BLOCK_K, K, G
+            w_next, sz_next = _gl_int4_step(
+                w_rows, s_ptr, g_off, n_ok3, n_ok2, rb3, rb, BLOCK_K, K, G
             )
         if PDL:
             _gl_pdl_wait()
@@ -840,19 +845,17 @@ if gluon is not None:
                 w_next = gl.load(w_rows + k1 // 8, mask=n_ok3 & b1_ok3, other=0)
                 g1_off = g_off + k1 // G
                 sg1_ok = n_ok2 & gl.expand_dims(k1 + rb * 32 < K, 0)
-                s_next = gl.load(s_ptr + g1_off, mask=sg1_ok, other=0)
-                z_next = gl.load(z_ptr + g1_off, mask=sg1_ok, other=0)
+                sz_next = gl.load(s_ptr + g1_off, mask=sg1_ok, other=0)
             # x: this thread's block of 32, with the prologue, rounded to int8 like
             # activation_int8_reference
             xv, ss = _gl_load_x(x_ptr, k0 + x_in, k0 + xb3 * 32 < K, nw_ptr, K, ss, NORM, GLU)
             x_even, x_odd, amax = _gl_x_int8_words(xv)
-            acc += _gl_int4_blocks(w, s, z, x_even, x_odd, amax, LQ)
+            acc += _gl_int4_blocks(w, sz, x_even, x_odd, amax, LQ)
             w = w_next
-            s = s_next
-            z = z_next
+            sz = sz_next
             if EARLY == 2:  # the step after next, into the registers this one freed
-                w_next, s_next, z_next = _gl_int4_step(
-                    w_rows, s_ptr, z_ptr, g_off, n_ok3, n_ok2, rb3, rb, k0 + 2 * BLOCK_K, K, G
+                w_next, sz_next = _gl_int4_step(
+                    w_rows, s_ptr, g_off, n_ok3, n_ok2, rb3, rb, k0 + 2 * BLOCK_K, K, G
                 )
         out = gl.sum(acc, axis=1)  # [BN]
         if NORM:
@@ -863,7 +866,7 @@ if gluon is not None:
 
     @gluon.jit
     def _int4_rows_gluon(
-        x_ptr, w_ptr, s_ptr, z_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn, stride_sn,
+        x_ptr, w_ptr, s_ptr, nw_ptr, r_ptr, y_ptr, N, K, eps, stride_wn, stride_sn,
         G: gl.constexpr, NORM: gl.constexpr, GLU: gl.constexpr, RESIDUAL: gl.constexpr,
         BLOCK_N: gl.constexpr, TILES: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr,
     ):  # fmt: skip
@@ -886,8 +889,7 @@ if gluon is not None:
         # The first tile's weights do not depend on the kernel before: they load before the wait.
         w = gl.load(w_rows, mask=(rn3 < row_end) & b_ok3, other=0)
         sg_ok = gl.expand_dims(rn < row_end, 1) & b_ok2
-        s = gl.load(s_ptr + g_off, mask=sg_ok, other=0)
-        z = gl.load(z_ptr + g_off, mask=sg_ok, other=0)
+        sz = gl.load(s_ptr + g_off, mask=sg_ok, other=0)  # [BN, NB] group words
         if PDL:
             _gl_pdl_wait()
         if RESIDUAL:
@@ -903,11 +905,10 @@ if gluon is not None:
             nxt = (t + 1) * BLOCK_N
             w_next = gl.load(w_rows + nxt * stride_wn, mask=(rn3 + nxt < row_end) & b_ok3, other=0)
             sg1_ok = gl.expand_dims(rn + nxt < row_end, 1) & b_ok2
-            s_next = gl.load(s_ptr + g_off + nxt * stride_sn, mask=sg1_ok, other=0)
-            z_next = gl.load(z_ptr + g_off + nxt * stride_sn, mask=sg1_ok, other=0)
+            sz_next = gl.load(s_ptr + g_off + nxt * stride_sn, mask=sg1_ok, other=0)
             if RESIDUAL:
                 res_next = gl.load(r_ptr + rn + nxt, mask=rn + nxt < row_end, other=0)
-            out = gl.sum(_gl_int4_blocks(w, s, z, x_even, x_odd, amax, LQ), axis=1)  # [BN]
+            out = gl.sum(_gl_int4_blocks(w, sz, x_even, x_odd, amax, LQ), axis=1)  # [BN]
             if NORM:
                 out = out * rstd
             if RESIDUAL:
@@ -916,8 +917,7 @@ if gluon is not None:
             rt = rn + t * BLOCK_N
             gl.store(y_ptr + rt, out.to(y_ptr.dtype.element_ty), mask=rt < row_end)
             w = w_next
-            s = s_next
-            z = z_next
+            sz = sz_next
 
     @gluon.jit
     def _gl_int8_floats(w):
@@ -1194,6 +1194,24 @@ def gluon_row_shape(fmt: int, N: int, K: int, groupsize: int = 0) -> tuple | Non
     return (8, 2) if N < 4 * K else None
 
 
+def int4_group_words(scales: Tensor, zeros: Tensor | None) -> Tensor:
+    # int4's group scales and offsets (bfloat16 [..., N, groups] each) -> int32 [..., N,
+    # groups], a group's scale in the low half of its word and its offset in the high: the
+    # kernels load both in one 32-bit load. GemvLinear and the expert stacks keep these words
+    # (keep_int4_group_words) and pass them as scales (int32, zeros None); a separate pair is
+    # interleaved here, a copy per call.
+    if scales.dtype == torch.int32:
+        return scales
+    pairs = torch.stack((scales.to(torch.bfloat16), zeros.to(torch.bfloat16)), dim=-1)
+    return pairs.view(torch.int32).squeeze(-1)
+
+
+def int4_group_pairs(words: Tensor) -> tuple[Tensor, Tensor]:
+    # int4_group_words' words -> (scales, zeros) bfloat16 [..., N, groups], views of them
+    halves = words.view(torch.bfloat16)  # [..., N, 2 * groups]
+    return halves[..., 0::2], halves[..., 1::2]
+
+
 def split_k(N: int, K: int, block_n: int, block_k: int, rows: int = 1) -> int:
     # Split K only when the output is too narrow to give every SM a program: the atomics need
     # a zeroed float32 output and a cast, two more kernels, which cost more than a weight of
@@ -1234,6 +1252,7 @@ def gemv(
     # router_logits [T, E] instead: the kernel routes as moe.route does, output row m [T * k,
     # N] through token m // k's (m % k)-th pick, k = top_k; with mix, x [T * k, K] (those rows'
     # inputs) and y [T, N] is each token's rows mixed by its routing weights (+ residual).
+    # int4's scales and zeros may come as their group words (int4_group_words) in scales.
     args = (x, weight, fmt, scales, zeros, groupsize, bias, norm_weight, eps, glu, residual)
     if expert_idx is not None or router_logits is not None:
         args += (expert_idx, router_logits, top_k, mix)
@@ -1317,8 +1336,10 @@ def _gemv_launch(
     words = int(words) * (1 if os.environ.get("TRITON_INTERPRET") == "1" else 2)
     if words:
         weight = weight.view(torch.int32)  # [N, K/4] for int8, [N, K/8] for int4
-    # int4's scales are per group ([.., N, groups]); int8's and fp8's per row need no stride
-    stride_sn = scales.stride(-2) if scales is not None and scales.dim() > 1 else 0
+    if fmt == INT4:
+        scales = int4_group_words(scales, zeros)  # [.., N, groups]
+    # int4's group words are per group; int8's and fp8's scales per row need no stride
+    stride_sn = scales.stride(-2) if fmt == INT4 else 0
     # int4 one-row: scales load in runs of SG groups, SG dividing a row's groups and a step's
     sg = 1
     if fmt == INT4 and words:
@@ -1329,7 +1350,6 @@ def _gemv_launch(
     _gemv_kernel[grid](
         x2, weight,
         scales if scales is not None else y,
-        zeros if zeros is not None else y,
         bias if bias is not None else y,
         norm_weight if norm_weight is not None else y,
         r2, y, picks if experts else y, 1 if experts else M, N, K, eps,
@@ -1387,18 +1407,15 @@ def _gluon_row_launch(
     r = residual.reshape(1, N) if residual is not None else y
     grid = (triton.cdiv(N, block_n),)
     row = dict(EARLY=early, **fused)
+    if fmt == INT4:
+        w, sz = weight.view(torch.int32), int4_group_words(scales, zeros)
+        args = (x, w, sz, nw, r, y, N, K, eps, w.stride(-2), sz.stride(-2))
     if fmt == INT4 and tiles > 1 and K <= 1024 * warps:
-        w = weight.view(torch.int32)
         _int4_rows_gluon[(triton.cdiv(N, block_n * tiles),)](
-            x, w, scales, zeros, nw, r, y, N, K, eps, w.stride(-2), scales.stride(-2),
-            G=groupsize, TILES=tiles, **fused,
+            *args, G=groupsize, TILES=tiles, **fused
         )  # fmt: skip
     elif fmt == INT4:
-        w = weight.view(torch.int32)
-        _int4_row_gluon[grid](
-            x, w, scales, zeros, nw, r, y, N, K, eps, w.stride(-2), scales.stride(-2),
-            G=groupsize, **row,
-        )  # fmt: skip
+        _int4_row_gluon[grid](*args, G=groupsize, **row)
     elif fmt == INT8:
         w = weight.view(torch.int32)
         _int8_row_gluon[grid](x, w, scales, nw, r, y, N, K, eps, w.stride(-2), **row)
@@ -1899,6 +1916,16 @@ def sample_top_k(
 # ---------------------------------------------------------------------------------------------
 
 
+def keep_int4_group_words(module: nn.Module, owner: nn.Module | None = None) -> None:
+    # Interleaves an int4 module's scales and zeros into group words (int4_group_words), keeps
+    # them as views of the words (the pair's memory, held once) and registers the words as the
+    # non-persistent buffer group_words of owner (default: the module): a buffer, so that
+    # compiled graphs read it in place. state_dict() is unchanged.
+    words = int4_group_words(module.scales, module.zeros)
+    module.scales, module.zeros = int4_group_pairs(words)
+    (owner or module).register_buffer("group_words", words, persistent=False)
+
+
 class GemvLinear(nn.Module):
     # Stands in for nn.Linear or one of quantize.py's linears, with the same tensors under the
     # same names; inputs of a few rows go through the gemv kernel.
@@ -1907,6 +1934,8 @@ class GemvLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.fmt, self.groupsize = fmt, groupsize
         self.linear = linear  # for inputs gemv does not take (see forward), sharing every tensor
+        if fmt == INT4:
+            keep_int4_group_words(linear, owner=self)
         for name in ("weight", "scales", "zeros", "bias"):
             t = getattr(linear, name, None)
             # One owner per tensor, so that state_dict() names stay those of the model.
@@ -1925,10 +1954,10 @@ class GemvLinear(nn.Module):
         # measured slow on an H200 (Llama-3.1-8B, batch 8: 406 tok/s in all, 1.9x one row).
         # Quantized weights take gemv up to TILE_ROWS rows (batches, short prompts).
         if rows == 1 or (self.fmt != FLOAT and rows <= TILE_ROWS):
-            return gemv(
-                x, self.weight, self.fmt, self.scales, self.zeros, self.groupsize, self.bias,
-                **fused,
-            )  # fmt: skip
+            scales, zeros = self.scales, self.zeros
+            if self.fmt == INT4:  # the interleaved words, read in place
+                scales, zeros = self.group_words, None
+            return gemv(x, self.weight, self.fmt, scales, zeros, self.groupsize, self.bias, **fused)
         return reference_epilogue(self.linear, x, **fused)
 
 
@@ -1972,6 +2001,8 @@ def _expert_gemv(linear: nn.Module, x: Tensor, **kwargs) -> Tensor:
     # arguments (expert_idx, or router_logits and top_k) and fused ones
     fmt, groupsize = expert_format(linear)
     scales, zeros = getattr(linear, "scales", None), getattr(linear, "zeros", None)
+    if fmt == INT4 and hasattr(linear, "group_words"):  # use_kernels interleaved them
+        scales, zeros = linear.group_words, None
     return gemv(x, linear.weight, fmt, scales, zeros, groupsize, **kwargs)
 
 
@@ -2085,6 +2116,9 @@ def use_kernels(model: nn.Module) -> nn.Module:
             expert_format(m) is not None for m in (module.w13, module.w2)
         ):
             module.run_experts = moe_experts
+            for stack in (module.w13, module.w2):
+                if expert_format(stack)[0] == INT4:
+                    keep_int4_group_words(stack)
         if getattr(module, "tinygemm_weight", None) is not None:
             # gemv reads the stored int4 format; a second, repacked copy would double the
             # memory of every int4 layer. Prefill runs gemv's tiles (or, for long prompts,

@@ -372,6 +372,8 @@ def weight_bytes(model: torch.nn.Module, per_token: bool = True) -> int:
     for name, t in tensors:
         if id(t) in seen or "kv_cache" in name or name == "freqs_cis":
             continue
+        if name.endswith("group_words"):  # int4 scales and zeros interleaved, counted as those
+            continue
         if per_token and name.startswith("tok_embeddings"):
             continue  # not marked seen: output.weight may be this same tensor
         seen.add(id(t))

@@ -517,7 +517,8 @@ def make_weight(fmt, N, K, device, groupsize=32):
     from quantize import quantize_int4
 
     weight, scales, zeros = quantize_int4(torch.randn(N, K, device=device), groupsize)
-    return dict(weight=weight, scales=scales, zeros=zeros, groupsize=groupsize)
+    words = kernels.int4_group_words(scales, zeros)  # as GemvLinear passes them
+    return dict(weight=weight, scales=words, zeros=None, groupsize=groupsize)
 
 
 def layer_fusion(layer: str, K: int, device) -> dict:
@@ -540,7 +541,7 @@ def expert_stack(fmt, n_experts, N, K, device, groupsize=32) -> dict:
     parts = [make_weight(fmt, N, K, device, groupsize) for _ in range(n_experts)]
     names = [k for k in parts[0] if torch.is_tensor(parts[0][k])]
     stack = {k: torch.stack([p[k] for p in parts]) for k in names}
-    return dict(stack, groupsize=groupsize) if "zeros" in stack else stack
+    return dict(stack, groupsize=groupsize) if "groupsize" in parts[0] else stack
 
 
 def time_launches(launch, device, n: int = 20) -> float:
@@ -776,9 +777,9 @@ def bench_prefill(models, device, rows_list, peak_tflops=None) -> list:
                     continue
                 w = make_weight(fmt, N, K, device, g)
                 if fmt == kernels.INT4:
-                    args = (w["weight"], w["scales"], w["zeros"], w["groupsize"])
-                    dense = partial(quantize.int4_linear, weight=args[0], scales=args[1],
-                                    zeros=args[2], groupsize=args[3])  # fmt: skip
+                    scales, zeros = kernels.int4_group_pairs(w["scales"])
+                    dense = partial(quantize.int4_linear, weight=w["weight"], scales=scales,
+                                    zeros=zeros, groupsize=g)  # fmt: skip
                 else:
                     dense = partial(plain[fmt], weight=w["weight"], scales=w["scales"])
                 for rows in rows_list:

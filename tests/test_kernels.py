@@ -539,6 +539,41 @@ def test_model_with_kernels_matches_plain(experts):
         torch.testing.assert_close(fast(x[:, 8:], ip), plain(x[:, 8:], ip), atol=1e-3, rtol=1e-3)
 
 
+def test_int4_linear_interleaves_its_groups_for_the_kernels():
+    # GemvLinear keeps an int4 linear's scales and zeros (same names, values, state_dict) as
+    # views of its group words, the buffer group_words the kernels read in place (one 32-bit
+    # load per group). The words decode back to the bfloat16 values.
+    import quantize
+
+    torch.manual_seed(5)
+    dense = torch.nn.Linear(128, 24, bias=False, device=DEVICE)
+    linear = quantize.quantize_linear(dense, "int4", 32)
+    scales, zeros = linear.scales.clone(), linear.zeros.clone()
+    layer = kernels.GemvLinear(linear, kernels.INT4, 32)
+    assert set(layer.state_dict()) == {"weight", "scales", "zeros"}
+    assert torch.equal(layer.scales, scales) and torch.equal(layer.zeros, zeros)
+    words = layer.group_words
+    assert words.dtype == torch.int32 and words.shape == (24, 4)
+    assert layer.scales.data_ptr() == words.data_ptr()  # views: the memory is held once
+    assert layer.zeros.data_ptr() == words.data_ptr() + 2
+    assert torch.equal((words << 16).view(torch.float32), scales.float())
+    assert torch.equal((words & -65536).view(torch.float32), zeros.float())
+    assert torch.equal(kernels.int4_group_words(scales, zeros), words)
+    x = torch.randn(1, 128, device=DEVICE)
+    ref = kernels.gemv_reference(x, linear.weight, kernels.INT4, scales, zeros, 32)
+    torch.testing.assert_close(
+        kernels.gemv_reference(x, layer.weight, kernels.INT4, words, None, 32), ref
+    )
+    cfg = dict(BLOCK_M=1, BLOCK_N=8, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=2)
+    poison()
+    got = kernels.gemv(x, layer.weight, kernels.INT4, words, None, 32, config=cfg)
+    torch.testing.assert_close(got, ref, atol=3e-4 * ref.abs().max().item(), rtol=3e-4)
+    # the prefill fallback (more than TILE_ROWS rows) reads the views as the separate tensors
+    xs = torch.randn(kernels.TILE_ROWS + 1, 128, device=DEVICE)
+    expected = quantize.int4_linear(xs, linear.weight, scales, zeros, 32)
+    torch.testing.assert_close(layer(xs), expected)
+
+
 def test_gemv_linear_routes_quantized_rows_by_count(monkeypatch):
     # One row and quantized inputs up to TILE_ROWS rows go to gemv; longer ones to the
     # dequantizing linear (whose output must then be the same).
