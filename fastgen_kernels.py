@@ -1166,6 +1166,9 @@ def gluon_row_shape(fmt: int, N: int, K: int, groupsize: int = 0) -> tuple | Non
         # rows, 10.0 us against 11.5. Round 26, decode on an H100: 7B g32 w13 on 8 tiles of 8
         # rows, 529.5 tok/s against 527.4 (alone, round 20's H200: 17.0 us against 17.5); 8B
         # g128 w13 (N = 7K) 483.6 against 515.7, so it and the output layers stay on Triton.
+        # Round 27, with the group words, decode on an H100: still best as is (7B w2 on (8,
+        # 4) 527.0 and (16, 8) 508.6 against 531.7; wqkv and w13 on 16-row tiles 507; 8B w13
+        # on tiles 491.5 against 515.0).
         if N == K:
             return (4, 2)
         if N < K:
