@@ -106,7 +106,7 @@ def gemv_reference(
         from quantize import dequantize_int4
 
         w = dequantize_int4(weight, scales, zeros, groupsize)
-        if xf.shape[0] == 1:  # one row: the dp4a path, which quantizes x
+        if xf.numel() == xf.shape[-1]:  # one row: the dp4a path, which quantizes x
             xf = activation_int8_reference(xf)
     else:
         w = weight.float()

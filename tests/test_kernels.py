@@ -574,6 +574,44 @@ def test_int4_linear_interleaves_its_groups_for_the_kernels():
     torch.testing.assert_close(layer(xs), expected)
 
 
+@pytest.mark.parametrize("experts", [0, 4])
+def test_int4_model_with_kernels_keeps_its_bytes_and_logits(experts):
+    # use_kernels on an int4 model (linears and expert stacks interleaved into group words):
+    # weight_bytes counts the same bytes (the words are the scales' and zeros' memory), the
+    # state_dict is the same, and a prompt (gemv's row tiles, which read the words) gives the
+    # logits of the model before the swap. (One row rounds x to int8: other tests cover it.)
+    import quantize
+    from generate import weight_bytes
+    from helpers import random_model
+
+    cfg = dict(num_key_value_heads=2, hidden_size=256)
+    if experts:
+        cfg.update(num_local_experts=experts, num_experts_per_tok=2)
+    models = []
+    for _ in range(2):
+        model = random_model(**cfg).to(DEVICE)
+        for layer in model.layers:
+            for parent in (layer.attention, layer.feed_forward):
+                for name, child in list(parent.named_children()):
+                    if name in ("wqkv", "wo", "w13", "w2"):
+                        setattr(parent, name, quantize.quantize_linear(child, "int4", 32))
+        model.setup_caches(1, 64)
+        models.append(model)
+    plain, fast = models
+    kernels.use_kernels(fast)
+    assert weight_bytes(fast) == weight_bytes(plain)
+    assert weight_bytes(fast, per_token=False) == weight_bytes(plain, per_token=False)
+    state, fast_state = plain.state_dict(), fast.state_dict()
+    assert set(fast_state) == set(state)
+    assert all(torch.equal(fast_state[k], t) for k, t in state.items())
+    words = [m for m in fast.modules() if hasattr(m, "group_words")]
+    assert len(words) == 4 * len(fast.layers)  # wqkv, wo, w13 and w2 (or the expert stacks)
+    x = torch.randint(0, 128, (1, 8), device=DEVICE)
+    with torch.no_grad():
+        pos = torch.arange(8, device=DEVICE)
+        torch.testing.assert_close(fast(x, pos), plain(x, pos), atol=1e-3, rtol=1e-3)
+
+
 def test_gemv_linear_routes_quantized_rows_by_count(monkeypatch):
     # One row and quantized inputs up to TILE_ROWS rows go to gemv; longer ones to the
     # dequantizing linear (whose output must then be the same).
