@@ -1308,6 +1308,8 @@ def _gemv_launch(
     # GLUON (rows, warps[, row tiles[, early K steps]]): a Gluon kernel instead, where one takes
     # the shape
     gl_cfg = cfg.pop("GLUON", None)
+    if fmt == INT4:  # the group words [.., N, groups], interleaved here if they came as a pair
+        scales, zeros = int4_group_words(scales, zeros), None
     if gl_cfg and M == 1 and not experts and bias is None:
         args = (x2, weight, fmt, scales, zeros, groupsize, norm_weight, eps, glu, residual)
         y = _gluon_row_launch(*args, *gl_cfg)
@@ -1339,8 +1341,6 @@ def _gemv_launch(
     words = int(words) * (1 if os.environ.get("TRITON_INTERPRET") == "1" else 2)
     if words:
         weight = weight.view(torch.int32)  # [N, K/4] for int8, [N, K/8] for int4
-    if fmt == INT4:
-        scales = int4_group_words(scales, zeros)  # [.., N, groups]
     # int4's group words are per group; int8's and fp8's scales per row need no stride
     stride_sn = scales.stride(-2) if fmt == INT4 else 0
     # int4 one-row: scales load in runs of SG groups, SG dividing a row's groups and a step's
@@ -1410,9 +1410,9 @@ def _gluon_row_launch(
     r = residual.reshape(1, N) if residual is not None else y
     grid = (triton.cdiv(N, block_n),)
     row = dict(EARLY=early, **fused)
-    if fmt == INT4:
-        w, sz = weight.view(torch.int32), int4_group_words(scales, zeros)
-        args = (x, w, sz, nw, r, y, N, K, eps, w.stride(-2), sz.stride(-2))
+    if fmt == INT4:  # scales: the group words (_gemv_launch interleaves them)
+        w = weight.view(torch.int32)
+        args = (x, w, scales, nw, r, y, N, K, eps, w.stride(-2), scales.stride(-2))
     if fmt == INT4 and tiles > 1 and K <= 1024 * warps:
         _int4_rows_gluon[(triton.cdiv(N, block_n * tiles),)](
             *args, G=groupsize, TILES=tiles, **fused
@@ -1929,6 +1929,15 @@ def keep_int4_group_words(module: nn.Module, owner: nn.Module | None = None) -> 
     (owner or module).register_buffer("group_words", words, persistent=False)
 
 
+def gemv_scales(module: nn.Module) -> tuple:
+    # (scales, zeros) as gemv takes them from a linear or an expert stack: an int4 one's group
+    # words (keep_int4_group_words), read in place, or its own tensors (None where it has none)
+    words = getattr(module, "group_words", None)
+    if words is not None:
+        return words, None
+    return getattr(module, "scales", None), getattr(module, "zeros", None)
+
+
 class GemvLinear(nn.Module):
     # Stands in for nn.Linear or one of quantize.py's linears, with the same tensors under the
     # same names; inputs of a few rows go through the gemv kernel.
@@ -1957,9 +1966,7 @@ class GemvLinear(nn.Module):
         # measured slow on an H200 (Llama-3.1-8B, batch 8: 406 tok/s in all, 1.9x one row).
         # Quantized weights take gemv up to TILE_ROWS rows (batches, short prompts).
         if rows == 1 or (self.fmt != FLOAT and rows <= TILE_ROWS):
-            scales, zeros = self.scales, self.zeros
-            if self.fmt == INT4:  # the interleaved words, read in place
-                scales, zeros = self.group_words, None
+            scales, zeros = gemv_scales(self)
             return gemv(x, self.weight, self.fmt, scales, zeros, self.groupsize, self.bias, **fused)
         return reference_epilogue(self.linear, x, **fused)
 
@@ -2003,9 +2010,7 @@ def _expert_gemv(linear: nn.Module, x: Tensor, **kwargs) -> Tensor:
     # gemv over one of moe.py's or quantize.py's expert stacks; kwargs: gemv's expert
     # arguments (expert_idx, or router_logits and top_k) and fused ones
     fmt, groupsize = expert_format(linear)
-    scales, zeros = getattr(linear, "scales", None), getattr(linear, "zeros", None)
-    if fmt == INT4 and hasattr(linear, "group_words"):  # use_kernels interleaved them
-        scales, zeros = linear.group_words, None
+    scales, zeros = gemv_scales(linear)
     return gemv(x, linear.weight, fmt, scales, zeros, groupsize, **kwargs)
 
 
