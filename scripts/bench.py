@@ -212,13 +212,47 @@ def step_breakdown(
     return res
 
 
+def run_timeline(
+    kernels: list[tuple[str, float, float]], host: tuple[float, float], last: str
+) -> dict:
+    # Where one generate() run's time goes beyond its steps: host (start, end) in µs is the
+    # call's span on the host, in the kernels' clock. A step's span runs from the end of the
+    # sampler before it (`last` in the name) to the end of its own, the first from the first
+    # kernel; what precedes the first kernel and follows the last is host time.
+    kernels = sorted(kernels, key=lambda k: k[1])
+    ends = [e for name, _, e in kernels if last in name]
+    if not ends:
+        return {}
+    spans = [ends[0] - kernels[0][1]] + [b - a for a, b in zip(ends, ends[1:])]
+    quarter = max(1, len(spans) // 4)
+    return dict(
+        wall_us=host[1] - host[0],
+        before_first_kernel_us=kernels[0][1] - host[0],
+        after_last_kernel_us=host[1] - max(e for _, _, e in kernels),
+        steps=len(spans),
+        step_spans_us=dict(
+            first=spans[:5],
+            median=statistics.median(spans),
+            mean=statistics.mean(spans),
+            # the run's quarters in order: later steps attend to more cache slots
+            quarters=[statistics.mean(spans[i : i + quarter])
+                      for i in range(0, quarter * 4, quarter)],  # fmt: skip
+            total=sum(spans),
+        ),
+    )
+
+
 def profile_decode(model, device, steps, tokens: int) -> dict:
     # Where a decode step's time goes: the kernels' effective times per step (step_breakdown),
-    # and each kernel name's total duration per token.
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        decode_rate(model, device, steps, 5, tokens, samples=1)
+    # each kernel name's total duration per token, and the run's steps and host time apart
+    # (run_timeline). One run as the protocol times it: the same prompt and length.
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.record_function("fastgen_run"):
+            decode_rate(model, device, steps, 5, tokens, samples=1)
     cuda = torch.autograd.DeviceType.CUDA
     kernels = [e for e in prof.events() if e.device_type == cuda]
+    run = next(e for e in prof.events() if e.name == "fastgen_run" and e.device_type != cuda)
     per_name = {}
     for e in kernels:
         n, t = per_name.get(e.name, (0, 0.0))
@@ -226,6 +260,7 @@ def profile_decode(model, device, steps, tokens: int) -> dict:
     start = min(e.time_range.start for e in kernels)
     end = max(e.time_range.end for e in kernels)
     top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:25]
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in kernels]
     res = dict(
         kernel_us_per_token=sum(t for _, t in per_name.values()) / tokens,
         span_us_per_token=(end - start) / tokens,
@@ -234,15 +269,26 @@ def profile_decode(model, device, steps, tokens: int) -> dict:
             dict(name=k[:120], per_token=n / tokens, us_per_token=t / tokens) for k, (n, t) in top
         ],
         step=step_breakdown(
-            [(e.name, e.time_range.start, e.time_range.end) for e in kernels],
+            spans,
             last="_top_k_sample",  # fastgen_kernels' sampler ends a step
             layer="_attn_split",  # decode attention, once per layer
         ),
+        run=run_timeline(spans, (run.time_range.start, run.time_range.end), "_top_k_sample"),
     )
     log(
         f"  profile: {res['kernels_per_token']:.0f} kernels, {res['kernel_us_per_token']:.0f} us "
         f"of kernels in a {res['span_us_per_token']:.0f} us span per token"
     )
+    run = res["run"]
+    if run:
+        q = ", ".join(f"{t:.0f}" for t in run["step_spans_us"]["quarters"])
+        log(
+            f"  the run: {run['wall_us'] / 1e3:.1f} ms, {run['steps']} steps of "
+            f"{run['step_spans_us']['mean']:.0f} us on average (by quarter: {q}; first: "
+            + ", ".join(f"{t:.0f}" for t in run["step_spans_us"]["first"])
+            + f"), {run['before_first_kernel_us']:.0f} us before the first kernel, "
+            f"{run['after_last_kernel_us']:.0f} us after the last"
+        )
     step = res["step"]
     if step:
         log(f"  a step: {step['step_us']:.1f} us effective over {step['kernels_per_step']} kernels")
@@ -304,7 +350,7 @@ def bench_model(
     )
 
     if "profile" in metrics and device.type == "cuda":
-        res["profile"] = profile_decode(model, device, steps, 50)
+        res["profile"] = profile_decode(model, device, steps, new_tokens)
 
     if "batch8" in metrics:
         model.setup_caches(8, 256)

@@ -96,6 +96,26 @@ def test_bench_step_breakdown_counts_each_kernel_past_the_one_before():
     assert bench.step_breakdown(kernels, "no such kernel", "attention") == {}
 
 
+def test_bench_run_timeline_parts_a_run_into_host_time_and_steps():
+    # A made-up run: the host starts at 0 and returns at 1000 µs; the first kernel starts at 40;
+    # four steps end with the sampler at 200, 400, 650 and 900; the last kernel ends at 905.
+    from scripts import bench
+
+    kernels = [("seed", 40, 41), ("gemv", 50, 190), ("sample_top_k", 195, 200),
+               ("gemv", 210, 390), ("sample_top_k", 395, 400), ("gemv", 410, 640),
+               ("sample_top_k", 645, 650), ("gemv", 660, 890), ("sample_top_k", 895, 900),
+               ("cat", 902, 905)]  # fmt: skip
+    kernels.reverse()  # any order
+    res = bench.run_timeline(kernels, (0.0, 1000.0), "sample")
+    assert res["wall_us"] == 1000 and res["steps"] == 4
+    assert res["before_first_kernel_us"] == 40 and res["after_last_kernel_us"] == 95
+    spans = res["step_spans_us"]
+    assert spans["first"] == [160, 200, 250, 250]
+    assert spans["quarters"] == [160, 200, 250, 250]
+    assert spans["total"] == 860 and spans["mean"] == 215 and spans["median"] == 225
+    assert bench.run_timeline(kernels, (0.0, 1000.0), "no such kernel") == {}
+
+
 def test_bench_checks_its_flags_first():
     # Bad values fail at once with one line, before any model is built.
     import bench
