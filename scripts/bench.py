@@ -235,8 +235,9 @@ def run_timeline(
             median=statistics.median(spans),
             mean=statistics.mean(spans),
             # the run's quarters in order: later steps attend to more cache slots
-            quarters=[statistics.mean(spans[i : i + quarter])
-                      for i in range(0, quarter * 4, quarter)],  # fmt: skip
+            quarters=[
+                statistics.mean(spans[i : i + quarter]) for i in range(0, quarter * 4, quarter)
+            ],  # fmt: skip
             total=sum(spans),
         ),
     )
