@@ -235,9 +235,11 @@ def run_timeline(
             median=statistics.median(spans),
             mean=statistics.mean(spans),
             # the run's quarters in order: later steps attend to more cache slots
+            # (fewer than four when the run has fewer than four steps)
             quarters=[
-                statistics.mean(spans[i : i + quarter]) for i in range(0, quarter * 4, quarter)
-            ],  # fmt: skip
+                statistics.mean(spans[i : i + quarter])
+                for i in range(0, min(len(spans), quarter * 4), quarter)
+            ],
             total=sum(spans),
         ),
     )
@@ -263,6 +265,7 @@ def profile_decode(model, device, steps, tokens: int) -> dict:
     end = max(e.time_range.end for e in kernels)
     top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:25]
     spans = [(e.name, e.time_range.start, e.time_range.end) for e in kernels]
+    last = "_top_k_sample"  # fastgen_kernels' sampler ends a step
     res = dict(
         kernel_us_per_token=sum(t for _, t in per_name.values()) / tokens,
         span_us_per_token=(end - start) / tokens,
@@ -270,12 +273,8 @@ def profile_decode(model, device, steps, tokens: int) -> dict:
         top=[
             dict(name=k[:120], per_token=n / tokens, us_per_token=t / tokens) for k, (n, t) in top
         ],
-        step=step_breakdown(
-            spans,
-            last="_top_k_sample",  # fastgen_kernels' sampler ends a step
-            layer="_attn_split",  # decode attention, once per layer
-        ),
-        run=run_timeline(spans, (host[0].start, host[0].end), "_top_k_sample") if host else {},
+        step=step_breakdown(spans, last, layer="_attn_split"),  # attention: once per layer
+        run=run_timeline(spans, (host[0].start, host[0].end), last) if host else {},
     )
     log(
         f"  profile: {res['kernels_per_token']:.0f} kernels, {res['kernel_us_per_token']:.0f} us "

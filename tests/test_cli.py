@@ -114,6 +114,8 @@ def test_bench_run_timeline_parts_a_run_into_host_time_and_steps():
     assert spans["quarters"] == [160, 200, 250, 250]
     assert spans["total"] == 860 and spans["mean"] == 215 and spans["median"] == 225
     assert bench.run_timeline(kernels, (0.0, 1000.0), "no such kernel") == {}
+    short = bench.run_timeline(kernels[-5:], (0.0, 500.0), "sample")  # two steps: two quarters
+    assert short["steps"] == 2 and short["step_spans_us"]["quarters"] == [160, 200]
 
 
 def test_bench_checks_its_flags_first():
