@@ -455,8 +455,14 @@ if GPU:
     ATTN += [(1, 32, 8, 33024, 128, 32768), (8, 32, 32, 256, 128, 200), (1, 9, 3, 8192, 64, 17)]
 
 
+# Launch options besides the default: the last split merging the partials in place of the
+# combine kernel, and splits of 32 slots, so that short caches split too.
+ATTN_CONFIGS = [None, dict(LAST_MERGES=True), dict(CHUNK=32), dict(CHUNK=32, LAST_MERGES=True)]
+
+
+@pytest.mark.parametrize("config", ATTN_CONFIGS)
 @pytest.mark.parametrize("B, H, H_kv, S, D, pos", ATTN)
-def test_decode_attention_matches_sdpa(B, H, H_kv, S, D, pos):
+def test_decode_attention_matches_sdpa(B, H, H_kv, S, D, pos, config):
     torch.manual_seed(pos)
     dtype = torch.bfloat16 if GPU else torch.float32
     q = torch.randn(B, H, 1, D, device=DEVICE, dtype=dtype)
@@ -469,15 +475,17 @@ def test_decode_attention_matches_sdpa(B, H, H_kv, S, D, pos):
         q.float(), k[:, :, : pos + 1].float(), v[:, :, : pos + 1].float(), ip
     )
     poison()
-    got = kernels._decode_attention_launch(q, k, v, ip)
+    got = kernels._decode_attention_launch(q, k, v, ip, config=config)
     tol = 2e-2 if GPU else 1e-5
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+    assert not kernels.split_counts(q.device).any()  # left zero for the next launch
 
 
 @pytest.mark.parametrize("B, H, H_kv, S, pos", [
     (1, 4, 4, 128, 0), (1, 4, 4, 128, 77), (2, 8, 2, 2048, 1500), (1, 6, 3, 4096, 4095),
 ])  # fmt: skip
-def test_decode_attention_from_qkv_equals_attend_qkv(B, H, H_kv, S, pos):
+@pytest.mark.parametrize("config", ATTN_CONFIGS)
+def test_decode_attention_from_qkv_equals_attend_qkv(B, H, H_kv, S, pos, config):
     # The fused decode path (rotary embedding, cache write and attention in the kernel) against
     # model.Attention.attend_qkv: the same output and the same cache afterwards.
     from model import Attention, KVCache, ModelArgs, precompute_freqs_cis
@@ -496,11 +504,12 @@ def test_decode_attention_from_qkv_equals_attend_qkv(B, H, H_kv, S, pos):
     mask = torch.arange(S, device=DEVICE)[None, :] <= ip[:, None]
     ref = attn.attend_qkv(qkv, freqs, ip[None], mask, ip)  # writes attn.kv_cache
     poison()
-    got = kernels._decode_attention_launch(qkv, k_cache, v_cache, ip, freqs, H)
+    got = kernels._decode_attention_launch(qkv, k_cache, v_cache, ip, freqs, H, config)
     tol = 2e-2 if GPU else 1e-5
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(k_cache, attn.kv_cache.k_cache, atol=tol, rtol=tol)
     torch.testing.assert_close(v_cache, attn.kv_cache.v_cache)
+    assert not kernels.split_counts(qkv.device).any()
 
 
 @pytest.mark.parametrize("experts", [0, 4])
@@ -644,6 +653,9 @@ def test_bench_times_decode_attention_and_sweeps_it():
     device = torch.device(DEVICE)
     configs = bench.attention_sweep(64)
     assert configs[0] is None and {c["BLOCK_S"] for c in configs[1:]} == {32, 64}
+    split = [c for c in bench.attention_sweep(256)[1:] if c["CHUNK"] < 256]  # 64 and 128
+    assert {c["CHUNK"] for c in split} == {64, 128}
+    assert {c["LAST_MERGES"] for c in split} == {False, True}  # either merge
     results = bench.bench_attention([config], device, 1e9, sweep=not GPU)
     # CPU: 64 slots filled up to position 40, float32 keys and values; the GPU: each of
     # bench.ATTENTION_CONTEXTS within the model's trained length
