@@ -456,8 +456,14 @@ if GPU:
 
 
 # Launch options besides the default: the last split merging the partials in place of the
-# combine kernel, and splits of 32 slots, so that short caches split too.
-ATTN_CONFIGS = [None, dict(LAST_MERGES=True), dict(CHUNK=32), dict(CHUNK=32, LAST_MERGES=True)]
+# combine kernel, and splits of 32 slots, so that short caches split too (on the GPU, with 8
+# warps as well).
+ATTN_CONFIGS = [
+    None,
+    dict(LAST_MERGES=True),
+    dict(CHUNK=32),
+    dict(CHUNK=32, LAST_MERGES=True, num_warps=8),
+]
 
 
 @pytest.mark.parametrize("config", ATTN_CONFIGS)
