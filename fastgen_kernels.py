@@ -1654,9 +1654,7 @@ _SPLIT_COUNTS: dict[torch.device, Tensor] = {}
 
 
 def split_counts(device: torch.device) -> Tensor:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    # device: a tensor's or parameter's, so a CUDA one carries its index
     if device not in _SPLIT_COUNTS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("decode attention's split counts must exist before graph capture")
@@ -1704,8 +1702,10 @@ def _decode_attention_launch(
     out = torch.empty(B, H, 1, D, device=q.device, dtype=q.dtype)
     q = q.contiguous()
     f = freqs_cis.contiguous() if qkv else out
-    counts = split_counts(q.device)
-    assert B * H_kv <= counts.numel(), "more (row, kv head) pairs than split counts"
+    counts = ml  # a placeholder: only LAST_MERGES's splits count
+    if cfg["LAST_MERGES"]:
+        counts = split_counts(q.device)
+        assert B * H_kv <= counts.numel(), "more (row, kv head) pairs than split counts"
     _attn_split_kernel[(B * H_kv, n_split)](
         q, k_cache, v_cache, input_pos, acc, ml, counts, D**-0.5,
         q.stride(0), 0 if qkv else q.stride(1),
