@@ -246,6 +246,21 @@ def run_timeline(
     )
 
 
+def device_spans(events, mark: str) -> tuple[list[tuple[str, float, float]], tuple | None]:
+    # Profiler events -> the kernels' (name, start, end) in µs and the host span of the
+    # record_function `mark`. The profiler also puts `mark` on the GPU's timeline, as a range
+    # from the first kernel under it to the last: counted as a kernel, it would cover every
+    # kernel after it and leave them no effective time.
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == cuda and e.name != mark
+    ]
+    host = [e.time_range for e in events if e.name == mark and e.device_type != cuda]
+    return kernels, ((host[0].start, host[0].end) if host else None)
+
+
 def profile_decode(model, device, steps, tokens: int) -> dict:
     # Where a decode step's time goes: the kernels' effective times per step (step_breakdown),
     # each kernel name's total duration per token, and the run's steps and host time apart
@@ -254,28 +269,24 @@ def profile_decode(model, device, steps, tokens: int) -> dict:
     with torch.profiler.profile(activities=activities) as prof:
         with torch.profiler.record_function("fastgen_run"):
             decode_rate(model, device, steps, 5, tokens, samples=1)
-    cuda = torch.autograd.DeviceType.CUDA
-    events = prof.events()
-    kernels = [e for e in events if e.device_type == cuda]
-    host = [e.time_range for e in events if e.name == "fastgen_run" and e.device_type != cuda]
+    spans, host = device_spans(prof.events(), "fastgen_run")
     per_name = {}
-    for e in kernels:
-        n, t = per_name.get(e.name, (0, 0.0))
-        per_name[e.name] = (n + 1, t + e.time_range.elapsed_us())
-    start = min(e.time_range.start for e in kernels)
-    end = max(e.time_range.end for e in kernels)
+    for name, start, end in spans:
+        n, t = per_name.get(name, (0, 0.0))
+        per_name[name] = (n + 1, t + end - start)
+    start = min(k[1] for k in spans)
+    end = max(k[2] for k in spans)
     top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:25]
-    spans = [(e.name, e.time_range.start, e.time_range.end) for e in kernels]
     last = "_top_k_sample"  # fastgen_kernels' sampler ends a step
     res = dict(
         kernel_us_per_token=sum(t for _, t in per_name.values()) / tokens,
         span_us_per_token=(end - start) / tokens,
-        kernels_per_token=len(kernels) / tokens,
+        kernels_per_token=len(spans) / tokens,
         top=[
             dict(name=k[:120], per_token=n / tokens, us_per_token=t / tokens) for k, (n, t) in top
         ],
         step=step_breakdown(spans, last, layer="_attn_split"),  # attention: once per layer
-        run=run_timeline(spans, (host[0].start, host[0].end), last) if host else {},
+        run=run_timeline(spans, host, last) if host else {},
     )
     log(
         f"  profile: {res['kernels_per_token']:.0f} kernels, {res['kernel_us_per_token']:.0f} us "

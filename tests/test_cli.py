@@ -96,6 +96,35 @@ def test_bench_step_breakdown_counts_each_kernel_past_the_one_before():
     assert bench.step_breakdown(kernels, "no such kernel", "attention") == {}
 
 
+def test_bench_device_spans_leave_out_the_runs_mark_on_the_gpu_timeline():
+    # On CUDA the profiler lists the record_function around the run twice: on the host, and on
+    # the GPU's timeline from the first kernel to the last (seen on an H100, round 31). Counted
+    # as a kernel, that range made every later kernel's effective time 0.
+    from types import SimpleNamespace
+
+    from scripts import bench
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def event(name, device_type, start, end):
+        return SimpleNamespace(name=name, device_type=device_type,
+                               time_range=SimpleNamespace(start=start, end=end))  # fmt: skip
+
+    kernels = [("gemv", 50, 190), ("attention", 191, 195), ("sample_top_k", 196, 200)] * 6
+    kernels = [(n, a + 200 * (i // 3), b + 200 * (i // 3)) for i, (n, a, b) in enumerate(kernels)]
+    events = [
+        event("run", cpu, 0, 1300),
+        event("run", cuda, 50, 1200),
+        event("aten::mm", cpu, 5, 9),
+    ]
+    events += [event(n, cuda, a, b) for n, a, b in kernels]
+    spans, host = bench.device_spans(events, "run")
+    assert sorted(spans) == sorted(kernels) and host == (0, 1300)
+    step = bench.step_breakdown(spans, "sample", "attention", skip=1)
+    assert step["step_us"] == pytest.approx(200.0)  # with the mark counted: 0
+    assert bench.device_spans(events[2:], "run") == (spans, None)
+
+
 def test_bench_run_timeline_parts_a_run_into_host_time_and_steps():
     # A made-up run: the host starts at 0 and returns at 1000 µs; the first kernel starts at 40;
     # four steps end with the sampler at 200, 400, 650 and 900; the last kernel ends at 905.
