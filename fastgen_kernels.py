@@ -1500,13 +1500,12 @@ if triton is not None:
 
     @triton.jit
     def _attn_split_kernel(
-        q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, count_ptr, sm_scale,
+        q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, sm_scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
         out_ptr, H_KV, N_SPLIT, f_ptr,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
         CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, DIRECT: tl.constexpr,
-        LAST_MERGES: tl.constexpr, DOT_PRECISION: tl.constexpr, QKV: tl.constexpr,
-        PDL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, QKV: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # QKV: q_ptr is the new token's fused projection [B, (H + 2 H_KV) * D] before rotary
         # embedding. The kernel rotates q and the new key by row input_pos of the rotary table
@@ -1591,39 +1590,9 @@ if triton is not None:
             return
         # Partials: acc [B*H_KV, N_SPLIT, GP, D] unnormalised, (m, l) [B*H_KV, N_SPLIT, GP, 2].
         part = pid * N_SPLIT + split
-        row = part * GROUP_PAD + rg
-        tl.store(acc_ptr + row[:, None] * D + rd[None, :], acc, mask=g_ok[:, None])
-        tl.store(ml_ptr + row * 2, m, mask=g_ok)
-        tl.store(ml_ptr + row * 2 + 1, l_sum, mask=g_ok)
-        if not LAST_MERGES:  # _attn_combine_kernel merges them
-            return
-        # The last split of this (row, kv head) to finish merges them (the sampler's pattern:
-        # every thread's stores, then one release): no second kernel per layer. It sets the
-        # count back to zero for the next launch.
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
-        if done == N_SPLIT - 1:
-            tl.store(count_ptr + pid, 0)
-            m = tl.full([GROUP_PAD], -float("inf"), dtype=tl.float32)
-            l_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
-            acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
-            for sp in range(0, N_SPLIT):
-                row = (pid * N_SPLIT + sp) * GROUP_PAD + rg
-                m_sp = tl.load(ml_ptr + row * 2, mask=g_ok, other=0, cache_modifier=".cg")
-                l_sp = tl.load(ml_ptr + row * 2 + 1, mask=g_ok, other=0, cache_modifier=".cg")
-                a_sp = tl.load(acc_ptr + row[:, None] * D + rd[None, :], mask=g_ok[:, None],
-                               other=0, cache_modifier=".cg")  # fmt: skip
-                m_new = tl.maximum(m, m_sp)
-                # a split past the filled slots has m = -inf: it weighs nothing
-                m_ref = tl.where(m_new > -float("inf"), m_new, 0)
-                alpha = tl.exp(m - m_ref)
-                w = tl.exp(m_sp - m_ref)
-                l_sum = l_sum * alpha + l_sp * w
-                acc = acc * alpha[:, None] + a_sp * w[:, None]
-                m = m_new
-            o_off = (pid * GROUP + rg)[:, None] * D + rd[None, :]
-            out = acc / l_sum[:, None]
-            tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        tl.store(acc_ptr + (part * GROUP_PAD + rg)[:, None] * D + rd[None, :], acc)
+        tl.store(ml_ptr + (part * GROUP_PAD + rg) * 2, m)
+        tl.store(ml_ptr + (part * GROUP_PAD + rg) * 2 + 1, l_sum)
 
     @triton.jit
     def _attn_combine_kernel(
@@ -1644,22 +1613,6 @@ if triton is not None:
         acc = tl.load(acc_ptr + row[:, None] * D + rd[None, :], mask=sp_ok[:, None], other=0)
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
         tl.store(out_ptr + pid * D + rd, out.to(out_ptr.dtype.element_ty))
-
-
-# One int32 count per (row, kv head) and device, zero between launches: the splits of a row
-# and kv head count themselves done in it, and the last one merges their partials and zeroes
-# it again. One buffer for every layer's launch (they run one after another on the stream),
-# made before any CUDA graph so that the graph's replays keep using it.
-_SPLIT_COUNTS: dict[torch.device, Tensor] = {}
-
-
-def split_counts(device: torch.device) -> Tensor:
-    # device: a tensor's or parameter's, so a CUDA one carries its index
-    if device not in _SPLIT_COUNTS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode attention's split counts must exist before graph capture")
-        _SPLIT_COUNTS[device] = torch.zeros(1 << 16, device=device, dtype=torch.int32)
-    return _SPLIT_COUNTS[device]
 
 
 def attention_chunk(max_seq_len: int) -> int:
@@ -1690,8 +1643,7 @@ def _decode_attention_launch(
     B, H = q.shape[0], n_head if qkv else q.shape[1]
     group = H // H_kv
     group_pad = max(16, triton.next_power_of_2(group))
-    cfg = dict(CHUNK=attention_chunk(S), LAST_MERGES=False, num_warps=4, num_stages=2)
-    cfg |= config or {}
+    cfg = dict(CHUNK=attention_chunk(S), num_warps=4, num_stages=2) | (config or {})
     chunk = cfg.pop("CHUNK")
     cfg.setdefault("BLOCK_S", min(64, chunk))
     n_split = triton.cdiv(S, chunk)
@@ -1702,12 +1654,8 @@ def _decode_attention_launch(
     out = torch.empty(B, H, 1, D, device=q.device, dtype=q.dtype)
     q = q.contiguous()
     f = freqs_cis.contiguous() if qkv else out
-    counts = ml  # a placeholder: only LAST_MERGES's splits count
-    if cfg["LAST_MERGES"]:
-        counts = split_counts(q.device)
-        assert B * H_kv <= counts.numel(), "more (row, kv head) pairs than split counts"
     _attn_split_kernel[(B * H_kv, n_split)](
-        q, k_cache, v_cache, input_pos, acc, ml, counts, D**-0.5,
+        q, k_cache, v_cache, input_pos, acc, ml, D**-0.5,
         q.stride(0), 0 if qkv else q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out, H_kv, n_split, f,
@@ -1715,7 +1663,7 @@ def _decode_attention_launch(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QKV=qkv,
         **cfg, **dependent_launch(q),
     )  # fmt: skip
-    if not direct and not cfg["LAST_MERGES"]:
+    if not direct:
         _attn_combine_kernel[(B * H,)](
             acc, ml, out, n_split,
             GROUP=group, GROUP_PAD=group_pad, D=D, SPLIT_PAD=triton.next_power_of_2(n_split),
@@ -2184,8 +2132,6 @@ def use_kernels(model: nn.Module) -> nn.Module:
             # memory of every int4 layer. Prefill runs gemv's tiles (or, for long prompts,
             # dequantizes for cuBLAS).
             module.tinygemm_weight = module.tinygemm_scales_and_zeros = None
-    for device in {p.device for p in model.parameters() if p.device.type == "cuda"}:
-        split_counts(device)
     for layer in getattr(model, "layers", []):
         linears = [layer.attention.wqkv, layer.attention.wo]
         if not hasattr(layer.feed_forward, "run_experts"):  # MoE experts: moe_experts

@@ -10,7 +10,6 @@
 # 0.8, one compile warm-up then 5 samples, average tok/s. Achieved bandwidth counts the weight
 # bytes one step reads (embedding table excluded) times tok/s.
 import argparse
-import itertools
 import json
 import statistics
 import sys
@@ -730,21 +729,19 @@ ATTENTION_CONTEXTS = ((256, 200), (1024, 1000), (4352, 4096), (33024, 32768))
 
 def attention_sweep(slots: int) -> list:
     # Launch parameters for decode attention: sequence slots per program (fewer: more programs
-    # whose partials are merged, by a combine kernel or by the last split to finish), slots per
-    # loop step, warps, pipeline depth. The default comes first.
+    # and a combine step), slots per loop step, warps, pipeline depth. The default comes first.
     import fastgen_kernels as kernels
 
     default = kernels.attention_chunk(slots)
     chunks = sorted({default, max(64, default // 4), max(64, default // 2)})
     configs = [None]
     for chunk in chunks:
-        merges = (False, True) if chunk < slots else (False,)
         for block_s in (32, 64, 128):
             if block_s > chunk:
                 continue
-            for (warps, stages), last in itertools.product(((4, 2), (4, 3), (8, 2)), merges):
+            for warps, stages in ((4, 2), (4, 3), (8, 2)):
                 configs.append(dict(CHUNK=chunk, BLOCK_S=block_s, num_warps=warps,
-                                    num_stages=stages, LAST_MERGES=last))  # fmt: skip
+                                    num_stages=stages))  # fmt: skip
     return configs
 
 

@@ -455,15 +455,10 @@ if GPU:
     ATTN += [(1, 32, 8, 33024, 128, 32768), (8, 32, 32, 256, 128, 200), (1, 9, 3, 8192, 64, 17)]
 
 
-# Launch options besides the default: the last split merging the partials in place of the
-# combine kernel, and splits of 32 slots, so that short caches split too (on the GPU, with 8
-# warps as well).
-ATTN_CONFIGS = [
-    None,
-    dict(LAST_MERGES=True),
-    dict(CHUNK=32),
-    dict(CHUNK=32, LAST_MERGES=True, num_warps=8),
-]
+# Launch options besides the default: splits of 32 slots, so that short caches split and go
+# through the combine kernel too (on the GPU, with 8 warps as well). Round 31 (H100) timed
+# 8 warps and 64-slot splits in decode: both slower than the default.
+ATTN_CONFIGS = [None, dict(CHUNK=32), dict(CHUNK=32, num_warps=8)]
 
 
 def skip_slow_split(S, config):
@@ -491,7 +486,6 @@ def test_decode_attention_matches_sdpa(B, H, H_kv, S, D, pos, config):
     got = kernels._decode_attention_launch(q, k, v, ip, config=config)
     tol = 2e-2 if GPU else 1e-5
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
-    assert not kernels.split_counts(q.device).any()  # left zero for the next launch
 
 
 @pytest.mark.parametrize("B, H, H_kv, S, pos", [
@@ -524,7 +518,6 @@ def test_decode_attention_from_qkv_equals_attend_qkv(B, H, H_kv, S, pos, config)
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(k_cache, attn.kv_cache.k_cache, atol=tol, rtol=tol)
     torch.testing.assert_close(v_cache, attn.kv_cache.v_cache)
-    assert not kernels.split_counts(qkv.device).any()
 
 
 @pytest.mark.parametrize("experts", [0, 4])
@@ -670,7 +663,6 @@ def test_bench_times_decode_attention_and_sweeps_it():
     assert configs[0] is None and {c["BLOCK_S"] for c in configs[1:]} == {32, 64}
     split = [c for c in bench.attention_sweep(256)[1:] if c["CHUNK"] < 256]  # 64 and 128
     assert {c["CHUNK"] for c in split} == {64, 128}
-    assert {c["LAST_MERGES"] for c in split} == {False, True}  # either merge
     results = bench.bench_attention([config], device, 1e9, sweep=not GPU)
     # CPU: 64 slots filled up to position 40, float32 keys and values; the GPU: each of
     # bench.ATTENTION_CONTEXTS within the model's trained length
