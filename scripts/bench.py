@@ -270,9 +270,9 @@ def profile_decode(model, device, steps, tokens: int) -> dict:
             decode_rate(model, device, steps, 5, tokens, samples=1)
     spans, host = device_spans(prof.events(), "fastgen_run")
     per_name = {}
-    for name, start, end in spans:
+    for name, a, b in spans:
         n, t = per_name.get(name, (0, 0.0))
-        per_name[name] = (n + 1, t + end - start)
+        per_name[name] = (n + 1, t + b - a)
     start = min(k[1] for k in spans)
     end = max(k[2] for k in spans)
     top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:25]
