@@ -199,9 +199,14 @@ def step_breakdown(
             lead += 1
         layers = [a - lead for a in starts if a - lead + period <= n]
         res["layers"] = len(layers)
+        # the same by quarter of the run's steps: a kernel that reads the growing cache grows
+        quarter = max(1, len(steps) // 4)
+        parts = [steps[i : i + quarter] for i in range(0, min(len(steps), 4 * quarter), quarter)]
+        by_part = [[statistics.mean(eff[s[j]] for s in part) for j in range(n)] for part in parts]
         res["per_layer"] = [
             dict(offset=o, name=names[layers[0] + o][:120],
-                 effective_us=statistics.mean(avg[s + o] for s in layers))
+                 effective_us=statistics.mean(avg[s + o] for s in layers),
+                 quarters_us=[statistics.mean(a[s + o] for s in layers) for a in by_part])
             for o in range(period)
         ]  # fmt: skip
         inside = {s + o for s in layers for o in range(period)}
@@ -307,7 +312,9 @@ def profile_decode(model, device, steps, tokens: int) -> dict:
         for t in step["by_name"][:25]:
             log(f"    {t['effective_us']:8.1f} us  x{t['per_step']:4d}  {t['name']}")
         for t in step.get("per_layer", []):
-            log(f"    layer +{t['offset']}: {t['effective_us']:6.2f} us  {t['name']}")
+            q = " ".join(f"{u:.2f}" for u in t["quarters_us"])
+            o, u = t["offset"], t["effective_us"]
+            log(f"    layer +{o}: {u:6.2f} us (by quarter {q})  {t['name']}")
     return res
 
 

@@ -96,6 +96,24 @@ def test_bench_step_breakdown_counts_each_kernel_past_the_one_before():
     assert bench.step_breakdown(kernels, "no such kernel", "attention") == {}
 
 
+def test_bench_step_breakdown_times_each_layer_kernel_by_quarter_of_the_run():
+    # Attention grows by 1 µs a step, as its reads of the cache grow with the position; wqkv
+    # stays. 10 steps: the first has no sampler before it, the second is skipped, and the other
+    # 8 make quarters of 2 steps.
+    from scripts import bench
+
+    kernels, latest = [], 0.0
+    for k in range(10):
+        layer = [("wqkv", 3.0), ("attention", 1.0 + k)]
+        for name, dur in [*layer, *layer, ("sample_top_k", 1.0)]:
+            kernels.append((name, latest, latest + dur))
+            latest += dur
+    res = bench.step_breakdown(kernels, "sample", "attention", skip=1)
+    quarters = {r["name"]: r["quarters_us"] for r in res["per_layer"]}
+    assert quarters["attention"] == pytest.approx([3.5, 5.5, 7.5, 9.5])
+    assert quarters["wqkv"] == pytest.approx([3.0] * 4)
+
+
 def test_bench_device_spans_leave_out_the_runs_mark_on_the_gpu_timeline():
     # On CUDA the profiler lists the record_function around the run twice: on the host, and on
     # the GPU's timeline from the first kernel to the last (seen on an H100, round 31). Counted
