@@ -1486,6 +1486,26 @@ if triton is not None:
         return tl.join(x_e * cos - x_o * sin, x_o * cos + x_e * sin)
 
     @triton.jit
+    def _l2_prefetch_kv(k_addr, v_addr, nbytes):
+        # One thread asks L2 for nbytes (a multiple of 16, nothing when <= 0) from each of two
+        # 16-byte aligned addresses (Hopper's bulk prefetch: no registers held, no wait).
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred skip;
+            .reg .b32 t;
+            mov.u32 t, %tid.x;
+            setp.lt.s32 skip, $3, 16;
+            setp.ne.or.u32 skip, t, 0, skip;
+            @!skip cp.async.bulk.prefetch.L2.global [$1], $3;
+            @!skip cp.async.bulk.prefetch.L2.global [$2], $3;
+            mov.u32 $0, 0;
+            }""",
+            "=r,l,l,r",
+            [k_addr.to(tl.int64, bitcast=True), v_addr.to(tl.int64, bitcast=True), nbytes],
+            dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+    @triton.jit
     def _attend_block(q, k, v, s_ok, m, l_sum, acc, sm_scale, DOT_PRECISION: tl.constexpr):
         # Online softmax over one block of slots: q [GP, D], k, v [BS, D], s_ok [BS] (at least
         # one true) -> the running max m [GP], sum l_sum [GP] and unnormalised output acc [GP, D]
@@ -1506,6 +1526,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
         CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, DIRECT: tl.constexpr,
         DOT_PRECISION: tl.constexpr, QKV: tl.constexpr, PDL: tl.constexpr,
+        PREFETCH: tl.constexpr, AHEAD: tl.constexpr,
     ):  # fmt: skip
         # QKV: q_ptr is the new token's fused projection [B, (H + 2 H_KV) * D] before rotary
         # embedding. The kernel rotates q and the new key by row input_pos of the rotary table
@@ -1537,6 +1558,11 @@ if triton is not None:
         # Round 21, decode A/B on an H100: Llama-2-7B int8 347 -> 357 tok/s, int4 g32 485 ->
         # 500, bf16 196 -> 199; Llama-3.1-8B int4 g128 483 -> 502. First block of 128 slots: 494.
         cache_end = tl.minimum(end, pos) if QKV else end  # QKV: slot pos holds a stale key
+        if PREFETCH:  # the filled slots after the first block, to L2 while wqkv still runs
+            rest = kv_base + (start + BLOCK_S) * stride_ks
+            elt: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
+            nbytes = (cache_end - start - BLOCK_S) * stride_ks * elt
+            _l2_prefetch_kv(k_ptr + rest, v_ptr + rest, nbytes)
         rs1 = start + tl.arange(0, BLOCK_S)
         kv1 = kv_base + rs1[:, None] * stride_ks + rd[None, :]
         ok1 = rs1 < cache_end
@@ -1563,16 +1589,34 @@ if triton is not None:
         m = tl.full([GROUP_PAD], -float("inf"), dtype=tl.float32)
         l_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
-        if start < cache_end:
-            m, l_sum, acc = _attend_block(q, k_first, v_first, ok1, m, l_sum, acc, sm_scale,
-                                          DOT_PRECISION)  # fmt: skip
-        for s0 in range(start + BLOCK_S, cache_end, BLOCK_S):
-            rs = s0 + tl.arange(0, BLOCK_S)
-            s_ok = rs < cache_end
-            kv_off = kv_base + rs[:, None] * stride_ks + rd[None, :]
-            k = tl.load(k_ptr + kv_off, mask=s_ok[:, None], other=0)  # [BS, D]
-            v = tl.load(v_ptr + kv_off, mask=s_ok[:, None], other=0)
-            m, l_sum, acc = _attend_block(q, k, v, s_ok, m, l_sum, acc, sm_scale, DOT_PRECISION)
+        if AHEAD:
+            # Each step loads the next block before it attends to the one loaded a step ago, so
+            # a load's latency hides behind a block's softmax instead of adding to it.
+            k_cur, v_cur, ok_cur = k_first, v_first, ok1
+            for s0 in range(start + BLOCK_S, cache_end, BLOCK_S):
+                rs = s0 + tl.arange(0, BLOCK_S)
+                s_ok = rs < cache_end
+                kv_off = kv_base + rs[:, None] * stride_ks + rd[None, :]
+                k = tl.load(k_ptr + kv_off, mask=s_ok[:, None], other=0)  # [BS, D]
+                v = tl.load(v_ptr + kv_off, mask=s_ok[:, None], other=0)
+                m, l_sum, acc = _attend_block(q, k_cur, v_cur, ok_cur, m, l_sum, acc, sm_scale,
+                                              DOT_PRECISION)  # fmt: skip
+                k_cur, v_cur, ok_cur = k, v, s_ok
+            if start < cache_end:  # the last block loaded (the first when it is the only one)
+                m, l_sum, acc = _attend_block(q, k_cur, v_cur, ok_cur, m, l_sum, acc, sm_scale,
+                                              DOT_PRECISION)  # fmt: skip
+        else:
+            if start < cache_end:
+                m, l_sum, acc = _attend_block(q, k_first, v_first, ok1, m, l_sum, acc, sm_scale,
+                                              DOT_PRECISION)  # fmt: skip
+            for s0 in range(start + BLOCK_S, cache_end, BLOCK_S):
+                rs = s0 + tl.arange(0, BLOCK_S)
+                s_ok = rs < cache_end
+                kv_off = kv_base + rs[:, None] * stride_ks + rd[None, :]
+                k = tl.load(k_ptr + kv_off, mask=s_ok[:, None], other=0)  # [BS, D]
+                v = tl.load(v_ptr + kv_off, mask=s_ok[:, None], other=0)
+                m, l_sum, acc = _attend_block(q, k, v, s_ok, m, l_sum, acc, sm_scale,
+                                              DOT_PRECISION)  # fmt: skip
         if QKV and (start <= pos) & (pos < end):  # this split holds the new token's slot
             tl.store(k_ptr + kv_base + pos * stride_ks + rd, k_new)
             tl.store(v_ptr + kv_base + pos * stride_ks + rd, v_new)
@@ -1643,7 +1687,10 @@ def _decode_attention_launch(
     B, H = q.shape[0], n_head if qkv else q.shape[1]
     group = H // H_kv
     group_pad = max(16, triton.next_power_of_2(group))
-    cfg = dict(CHUNK=attention_chunk(S), num_warps=4, num_stages=2) | (config or {})
+    cfg = dict(CHUNK=attention_chunk(S), num_warps=4, num_stages=2, PREFETCH=False, AHEAD=False)
+    cfg |= config or {}
+    launch = dependent_launch(q)
+    cfg["PREFETCH"] = cfg["PREFETCH"] and launch["PDL"]  # PTX of sm_90 and up
     chunk = cfg.pop("CHUNK")
     cfg.setdefault("BLOCK_S", min(64, chunk))
     n_split = triton.cdiv(S, chunk)
@@ -1661,7 +1708,7 @@ def _decode_attention_launch(
         out, H_kv, n_split, f,
         GROUP=group, GROUP_PAD=group_pad, D=D, CHUNK=chunk, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QKV=qkv,
-        **cfg, **dependent_launch(q),
+        **cfg, **launch,
     )  # fmt: skip
     if not direct:
         _attn_combine_kernel[(B * H,)](

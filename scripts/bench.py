@@ -746,7 +746,7 @@ def attention_sweep(slots: int) -> list:
         for block_s in (32, 64, 128):
             if block_s > chunk:
                 continue
-            for warps, stages in ((4, 2), (4, 3), (8, 2)):
+            for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 2)):
                 configs.append(dict(CHUNK=chunk, BLOCK_S=block_s, num_warps=warps,
                                     num_stages=stages))  # fmt: skip
     return configs

@@ -457,8 +457,17 @@ if GPU:
 
 # Launch options besides the default: splits of 32 slots, so that short caches split and go
 # through the combine kernel too, on 4 warps and on 8. Round 31 (H100) timed
-# 8 warps and 64-slot splits in decode: both slower than the default.
-ATTN_CONFIGS = [None, dict(CHUNK=32), dict(CHUNK=32, num_warps=8)]
+# 8 warps and 64-slot splits in decode: both slower than the default. AHEAD loads each block a
+# step before it attends to it (16-slot blocks: many steps); PREFETCH asks L2 for the filled
+# slots first (PTX: the GPU only; elsewhere the launch leaves it off), also per split.
+ATTN_CONFIGS = [
+    None,
+    dict(CHUNK=32),
+    dict(CHUNK=32, num_warps=8),
+    dict(AHEAD=True, BLOCK_S=16),
+    dict(PREFETCH=True),
+    dict(PREFETCH=True, AHEAD=True, CHUNK=64, BLOCK_S=16),
+]
 
 
 def skip_slow_split(S, config):
