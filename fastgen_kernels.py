@@ -1486,6 +1486,22 @@ if triton is not None:
         return tl.join(x_e * cos - x_o * sin, x_o * cos + x_e * sin)
 
     @triton.jit
+    def _attend_rows(q, k, v, s_ok, m, l_sum, acc, sm_scale):
+        # One block of slots for one query head, each row its own online softmax: q [1, D]
+        # float32, k, v [BS, D], s_ok [BS] -> the rows' running max m [BS], sum l_sum [BS] and
+        # unnormalised output acc [BS, D], all in k's layout. A row that has seen no slot keeps
+        # m = -inf.
+        scores = tl.sum(q * k.to(tl.float32), axis=1) * sm_scale  # [BS]
+        scores = tl.where(s_ok, scores, -float("inf"))
+        m_new = tl.maximum(m, scores)
+        m_ref = tl.where(m_new > -float("inf"), m_new, 0.0)  # no -inf - -inf: exp(-inf) = 0
+        alpha = tl.exp(m - m_ref)
+        p = tl.exp(scores - m_ref)
+        l_sum = l_sum * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+        return m_new, l_sum, acc
+
+    @triton.jit
     def _l2_prefetch_kv(k_addr, v_addr, nbytes):
         # One thread asks L2 for nbytes (a multiple of 16, nothing when <= 0) from each of two
         # 16-byte aligned addresses (Hopper's bulk prefetch: no registers held, no wait).
@@ -1526,7 +1542,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
         CHUNK: tl.constexpr, BLOCK_S: tl.constexpr, DIRECT: tl.constexpr,
         DOT_PRECISION: tl.constexpr, QKV: tl.constexpr, PDL: tl.constexpr,
-        PREFETCH: tl.constexpr, AHEAD: tl.constexpr,
+        PREFETCH: tl.constexpr, AHEAD: tl.constexpr, STREAMS: tl.constexpr,
     ):  # fmt: skip
         # QKV: q_ptr is the new token's fused projection [B, (H + 2 H_KV) * D] before rotary
         # embedding. The kernel rotates q and the new key by row input_pos of the rotary table
@@ -1589,22 +1605,39 @@ if triton is not None:
         m = tl.full([GROUP_PAD], -float("inf"), dtype=tl.float32)
         l_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
-        if AHEAD:
+        if AHEAD or STREAMS:
             # Each step loads the next block before it attends to the one loaded a step ago, so
-            # a load's latency hides behind a block's softmax instead of adding to it.
+            # a load's latency hides behind a block's softmax instead of adding to it. The
+            # last step loads a block past cache_end: masked, it reads nothing.
             k_cur, v_cur, ok_cur = k_first, v_first, ok1
-            for s0 in range(start + BLOCK_S, cache_end, BLOCK_S):
+            if STREAMS:
+                # One query head (GROUP 1): each of a block's BS rows is an online softmax of
+                # its own over slots r, r + BS, ...; m, l [BS] and acc [BS, D] change
+                # elementwise in the loop, and the rows merge once after it (no reduction
+                # across warps per block, no tl.dot padded to 16 rows).
+                q_f = q.to(tl.float32)  # [1, D]
+                m_r = tl.full([BLOCK_S], -float("inf"), dtype=tl.float32)
+                l_r = tl.zeros([BLOCK_S], dtype=tl.float32)
+                acc_r = tl.zeros([BLOCK_S, D], dtype=tl.float32)
+            for s0 in range(start + BLOCK_S, cache_end + BLOCK_S, BLOCK_S):
                 rs = s0 + tl.arange(0, BLOCK_S)
                 s_ok = rs < cache_end
                 kv_off = kv_base + rs[:, None] * stride_ks + rd[None, :]
                 k = tl.load(k_ptr + kv_off, mask=s_ok[:, None], other=0)  # [BS, D]
                 v = tl.load(v_ptr + kv_off, mask=s_ok[:, None], other=0)
-                m, l_sum, acc = _attend_block(q, k_cur, v_cur, ok_cur, m, l_sum, acc, sm_scale,
-                                              DOT_PRECISION)  # fmt: skip
+                if STREAMS:
+                    m_r, l_r, acc_r = _attend_rows(q_f, k_cur, v_cur, ok_cur, m_r, l_r, acc_r,
+                                                   sm_scale)  # fmt: skip
+                else:
+                    m, l_sum, acc = _attend_block(q, k_cur, v_cur, ok_cur, m, l_sum, acc,
+                                                  sm_scale, DOT_PRECISION)  # fmt: skip
                 k_cur, v_cur, ok_cur = k, v, s_ok
-            if start < cache_end:  # the last block loaded (the first when it is the only one)
-                m, l_sum, acc = _attend_block(q, k_cur, v_cur, ok_cur, m, l_sum, acc, sm_scale,
-                                              DOT_PRECISION)  # fmt: skip
+            if STREAMS:
+                m = tl.max(m_r[None, :], axis=1)  # [1]
+                m_ref = tl.where(m > -float("inf"), m, 0.0)
+                w = tl.exp(m_r[None, :] - m_ref[:, None])  # [1, BS], 0 for a row that saw no slot
+                l_sum = tl.sum(l_r[None, :] * w, axis=1)  # [1]
+                acc = tl.sum(acc_r * tl.reshape(w, [BLOCK_S, 1]), axis=0)[None, :]  # [1, D]
         else:
             if start < cache_end:
                 m, l_sum, acc = _attend_block(q, k_first, v_first, ok1, m, l_sum, acc, sm_scale,
@@ -1686,9 +1719,11 @@ def _decode_attention_launch(
     H_kv, S, D = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     B, H = q.shape[0], n_head if qkv else q.shape[1]
     group = H // H_kv
-    group_pad = max(16, triton.next_power_of_2(group))
-    cfg = dict(CHUNK=attention_chunk(S), num_warps=4, num_stages=2, PREFETCH=False, AHEAD=False)
-    cfg |= config or {}
+    cfg = dict(CHUNK=attention_chunk(S), num_warps=4, num_stages=2, PREFETCH=False, AHEAD=False,
+               STREAMS=False) | (config or {})  # fmt: skip
+    cfg["STREAMS"] = cfg["STREAMS"] and group == 1  # one query head per kv head only
+    # tl.dot takes at least 16 rows; STREAMS has no dot
+    group_pad = 1 if cfg["STREAMS"] else max(16, triton.next_power_of_2(group))
     launch = dependent_launch(q)
     cfg["PREFETCH"] = cfg["PREFETCH"] and launch["PDL"]  # PTX of sm_90 and up
     chunk = cfg.pop("CHUNK")

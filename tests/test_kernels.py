@@ -459,7 +459,8 @@ if GPU:
 # through the combine kernel too, on 4 warps and on 8. Round 31 (H100) timed
 # 8 warps and 64-slot splits in decode: both slower than the default. AHEAD loads each block a
 # step before it attends to it (16-slot blocks: many steps); PREFETCH asks L2 for the filled
-# slots first (PTX: the GPU only; elsewhere the launch leaves it off), also per split.
+# slots first (PTX: the GPU only; elsewhere the launch leaves it off), also per split; STREAMS
+# keeps an online softmax per row of the block (no tl.dot), also for a group of 3 (padded to 4).
 ATTN_CONFIGS = [
     None,
     dict(CHUNK=32),
@@ -467,6 +468,8 @@ ATTN_CONFIGS = [
     dict(AHEAD=True, BLOCK_S=16),
     dict(PREFETCH=True),
     dict(PREFETCH=True, AHEAD=True, CHUNK=64, BLOCK_S=16),
+    dict(STREAMS=True, BLOCK_S=16),
+    dict(STREAMS=True, CHUNK=64, BLOCK_S=32),
 ]
 
 
