@@ -1675,10 +1675,7 @@ if triton is not None:
     def _attn_combine_kernel(
         acc_ptr, ml_ptr, out_ptr, N_SPLIT,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, SPLIT_PAD: tl.constexpr,
-        PDL: tl.constexpr,
     ):  # fmt: skip
-        # With PDL, wo's programs start (and load their weights) while the splits still run
-        _dependent_launch(PDL)
         pid = tl.program_id(0)  # over batch x kv heads x group
         g = pid % GROUP
         bk = pid // GROUP
@@ -1752,7 +1749,6 @@ def _decode_attention_launch(
         _attn_combine_kernel[(B * H,)](
             acc, ml, out, n_split,
             GROUP=group, GROUP_PAD=group_pad, D=D, SPLIT_PAD=triton.next_power_of_2(n_split),
-            **launch,
         )  # fmt: skip
     return out.view(B, 1, H * D) if qkv else out
 
