@@ -13,6 +13,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -265,6 +266,26 @@ def device_spans(events, mark: str) -> tuple[list[tuple[str, float, float]], tup
     return kernels, ((host[0].start, host[0].end) if host else None)
 
 
+def kernel_resources(trace: dict, tokens: int) -> list[dict]:
+    # What each kernel launch asked of an SM, from a profiler's Chrome trace (Kineto's kernel
+    # events carry grid, block, registers per thread and shared memory): one entry per kernel
+    # name and launch shape, with its launches per token. Kernels of one step that ask for
+    # different shared memory may keep each other off an SM under programmatic dependent launch.
+    shapes = {}
+    for e in trace.get("traceEvents", []):
+        args = e.get("args", {})
+        if e.get("cat") != "kernel" or "registers per thread" not in args:
+            continue
+        key = (e["name"][:120], str(args.get("grid")), str(args.get("block")),
+               args["registers per thread"], args.get("shared memory"))  # fmt: skip
+        shapes[key] = shapes.get(key, 0) + 1
+    return [
+        dict(name=name, grid=grid, block=block, registers_per_thread=regs, shared_memory=smem,
+             per_token=n / tokens)
+        for (name, grid, block, regs, smem), n in sorted(shapes.items(), key=lambda kv: -kv[1])
+    ]  # fmt: skip
+
+
 def profile_decode(model, device, steps, tokens: int) -> dict:
     # Where a decode step's time goes: the kernels' effective times per step (step_breakdown),
     # each kernel name's total duration per token, and the run's steps and host time apart
@@ -274,6 +295,9 @@ def profile_decode(model, device, steps, tokens: int) -> dict:
         with torch.profiler.record_function("fastgen_run"):
             decode_rate(model, device, steps, 5, tokens, samples=1)
     spans, host = device_spans(prof.events(), "fastgen_run")
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        resources = kernel_resources(json.loads(Path(f"{tmp}/trace.json").read_text()), tokens)
     per_name = {}
     for name, a, b in spans:
         n, t = per_name.get(name, (0, 0.0))
@@ -291,6 +315,7 @@ def profile_decode(model, device, steps, tokens: int) -> dict:
         ],
         step=step_breakdown(spans, last, layer="_attn_split"),  # attention: once per layer
         run=run_timeline(spans, host, last) if host else {},
+        resources=resources,
     )
     log(
         f"  profile: {res['kernels_per_token']:.0f} kernels, {res['kernel_us_per_token']:.0f} us "
@@ -315,6 +340,12 @@ def profile_decode(model, device, steps, tokens: int) -> dict:
             q = " ".join(f"{u:.2f}" for u in t["quarters_us"])
             o, u = t["offset"], t["effective_us"]
             log(f"    layer +{o}: {u:6.2f} us (by quarter {q})  {t['name']}")
+    for r in res["resources"][:12]:
+        log(
+            f"    x{r['per_token']:5.1f} grid {r['grid']} block {r['block']}: "
+            f"{r['registers_per_thread']} registers, {r['shared_memory']} B shared  "
+            + r["name"][:60]
+        )
     return res
 
 
@@ -736,7 +767,8 @@ ATTENTION_CONTEXTS = ((256, 200), (1024, 1000), (4352, 4096), (33024, 32768))
 
 def attention_sweep(slots: int) -> list:
     # Launch parameters for decode attention: sequence slots per program (fewer: more programs
-    # and a combine step), slots per loop step, warps, pipeline depth. The default comes first.
+    # and a combine step), slots per loop step, warps, pipeline depth, the loop's options
+    # (fastgen_kernels._decode_attention_launch). The default comes first.
     import fastgen_kernels as kernels
 
     default = kernels.attention_chunk(slots)
@@ -749,6 +781,10 @@ def attention_sweep(slots: int) -> list:
             for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 2)):
                 configs.append(dict(CHUNK=chunk, BLOCK_S=block_s, num_warps=warps,
                                     num_stages=stages))  # fmt: skip
+    # the loop's options at the default chunk (STREAMS: one query head per kv head only)
+    for option in ("STREAMS", "AHEAD", "PREFETCH"):
+        for block_s in (32, 64):
+            configs.append({"CHUNK": default, "BLOCK_S": min(block_s, default), option: True})
     return configs
 
 

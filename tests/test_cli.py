@@ -114,6 +114,31 @@ def test_bench_step_breakdown_times_each_layer_kernel_by_quarter_of_the_run():
     assert quarters["wqkv"] == pytest.approx([3.0] * 4)
 
 
+def test_bench_kernel_resources_count_each_launch_shape():
+    # A made-up Chrome trace as Kineto writes it: kernel events carry their launch's resources;
+    # the same kernel at two shapes counts twice, host events and memcopies not at all.
+    from scripts import bench
+
+    def kernel(name, grid, smem, regs=128):
+        args = {"grid": grid, "block": [128, 1, 1], "registers per thread": regs,
+                "shared memory": smem}  # fmt: skip
+        return {"cat": "kernel", "name": name, "args": args}
+
+    events = [kernel("gemv", [132, 1, 1], 0), kernel("attention", [32, 1, 1], 38912)] * 4
+    events += [kernel("gemv", [64, 1, 1], 4096, 96)] * 2
+    events += [{"cat": "cpu_op", "name": "aten::mm", "args": {}},
+               {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "args": {}}]  # fmt: skip
+    res = bench.kernel_resources({"traceEvents": events}, tokens=2)
+    got = {(r["name"], r["grid"], r["shared_memory"]): (r["per_token"], r["registers_per_thread"])
+           for r in res}  # fmt: skip
+    assert got == {
+        ("gemv", "[132, 1, 1]", 0): (2.0, 128),
+        ("attention", "[32, 1, 1]", 38912): (2.0, 128),
+        ("gemv", "[64, 1, 1]", 4096): (1.0, 96),
+    }
+    assert bench.kernel_resources({}, tokens=1) == []
+
+
 def test_bench_device_spans_leave_out_the_runs_mark_on_the_gpu_timeline():
     # On CUDA the profiler lists the record_function around the run twice: on the host, and on
     # the GPU's timeline from the first kernel to the last (seen on an H100, round 31). Counted
