@@ -1553,17 +1553,24 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         if PDL and not QKV:  # the kernel before wrote q and this step's cache slot
             tl.extra.cuda.gdc_wait()
-        pid = tl.program_id(0)  # over batch x kv heads
+        pid = tl.program_id(0)  # over batch x kv heads (STREAMS: x query heads per kv head)
         split = tl.program_id(1)
-        b = pid // H_KV
-        hk = pid % H_KV
+        if STREAMS:  # one query head a program, q row hk * GROUP + g0; the group's programs
+            b = pid // (H_KV * GROUP)  # read the same keys and values (once from memory,
+            hk = (pid // GROUP) % H_KV  # then from L2)
+            g0 = pid % GROUP
+        else:  # the kv head's GROUP query heads, rows hk * GROUP + 0..GROUP-1
+            b = pid // H_KV
+            hk = pid % H_KV
+            g0 = 0
         pos = tl.load(pos_ptr)
         length = pos + 1  # slots 0..input_pos are filled
         start = split * CHUNK
         end = tl.minimum(start + CHUNK, length)
         rg = tl.arange(0, GROUP_PAD)
         rd = tl.arange(0, D)
-        g_ok = rg < GROUP
+        g_ok = rg < (1 if STREAMS else GROUP)
+        q_head = hk * GROUP + g0  # the program's first query head
         dt = k_ptr.dtype.element_ty
         kv_base = b * stride_kb + hk * stride_kh
         # The first block of cached keys and values [BS, D]. With QKV it loads before the wait
@@ -1592,7 +1599,7 @@ if triton is not None:
             if PDL:
                 tl.extra.cuda.gdc_wait()
             q_row = q_ptr + b * stride_qb
-            q_off = (hk * GROUP + rg)[:, None] * D + 2 * ri[None, :]  # [GP, D/2]
+            q_off = (q_head + rg)[:, None] * D + 2 * ri[None, :]  # [GP, D/2]
             q = tl.reshape(_rope_pairs(q_row, q_off, g_ok[:, None], cos, sin), [GROUP_PAD, D])
             q = q.to(dt)  # rounded as the unfused path stores it
             # the new key and value: rotated, written to the cache, kept for its own slot
@@ -1600,7 +1607,7 @@ if triton is not None:
                                            cos, sin), [D]).to(dt)  # fmt: skip
             v_new = tl.load(q_row + (H_KV * (GROUP + 1) + hk) * D + rd)
         else:
-            q_off = b * stride_qb + (hk * GROUP + rg)[:, None] * stride_qh + rd[None, :]
+            q_off = b * stride_qb + (q_head + rg)[:, None] * stride_qh + rd[None, :]
             q = tl.load(q_ptr + q_off, mask=g_ok[:, None], other=0)  # [GP, D]
         m = tl.full([GROUP_PAD], -float("inf"), dtype=tl.float32)
         l_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -1611,8 +1618,8 @@ if triton is not None:
             # last step loads a block past cache_end: masked, it reads nothing.
             k_cur, v_cur, ok_cur = k_first, v_first, ok1
             if STREAMS:
-                # One query head (GROUP 1): each of a block's BS rows is an online softmax of
-                # its own over slots r, r + BS, ...; m, l [BS] and acc [BS, D] change
+                # The program's one query head: each of a block's BS rows is an online softmax
+                # of its own over slots r, r + BS, ...; m, l [BS] and acc [BS, D] change
                 # elementwise in the loop, and the rows merge once after it (no reduction
                 # across warps per block, no tl.dot padded to 16 rows).
                 q_f = q.to(tl.float32)  # [1, D]
@@ -1651,8 +1658,11 @@ if triton is not None:
                 m, l_sum, acc = _attend_block(q, k, v, s_ok, m, l_sum, acc, sm_scale,
                                               DOT_PRECISION)  # fmt: skip
         if QKV and (start <= pos) & (pos < end):  # this split holds the new token's slot
-            tl.store(k_ptr + kv_base + pos * stride_ks + rd, k_new)
-            tl.store(v_ptr + kv_base + pos * stride_ks + rd, v_new)
+            w_ok = None
+            if STREAMS:  # one program of the kv head writes its cache slot
+                w_ok = rd < tl.where(g0 == 0, D, 0)
+            tl.store(k_ptr + kv_base + pos * stride_ks + rd, k_new, mask=w_ok)
+            tl.store(v_ptr + kv_base + pos * stride_ks + rd, v_new, mask=w_ok)
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * sm_scale
             m_new = tl.maximum(m, s_new)  # [GP]
             alpha = tl.exp(m - m_new)
@@ -1661,11 +1671,13 @@ if triton is not None:
             acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
             m = m_new
         if DIRECT:  # one split covers the cache: normalise and write the output [B, H, D]
-            o_off = (pid * GROUP + rg)[:, None] * D + rd[None, :]
+            o_row = pid if STREAMS else pid * GROUP  # b * H + the first query head
+            o_off = (o_row + rg)[:, None] * D + rd[None, :]
             out = acc / l_sum[:, None]
             tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
             return
-        # Partials: acc [B*H_KV, N_SPLIT, GP, D] unnormalised, (m, l) [B*H_KV, N_SPLIT, GP, 2].
+        # Partials: acc [programs, N_SPLIT, GP, D] unnormalised, (m, l) [programs, N_SPLIT, GP,
+        # 2]; programs B * H_KV (STREAMS: B * H, GP 1).
         part = pid * N_SPLIT + split
         tl.store(acc_ptr + (part * GROUP_PAD + rg)[:, None] * D + rd[None, :], acc)
         tl.store(ml_ptr + (part * GROUP_PAD + rg) * 2, m)
@@ -1721,22 +1733,22 @@ def _decode_attention_launch(
     group = H // H_kv
     cfg = dict(CHUNK=attention_chunk(S), num_warps=4, num_stages=2, PREFETCH=False, AHEAD=False,
                STREAMS=False) | (config or {})  # fmt: skip
-    cfg["STREAMS"] = cfg["STREAMS"] and group == 1  # one query head per kv head only
-    # tl.dot takes at least 16 rows; STREAMS has no dot
+    # tl.dot takes at least 16 rows; STREAMS has no dot and one query head a program
     group_pad = 1 if cfg["STREAMS"] else max(16, triton.next_power_of_2(group))
+    programs = B * H if cfg["STREAMS"] else B * H_kv  # each with group_pad rows of q
     launch = dependent_launch(q)
     cfg["PREFETCH"] = cfg["PREFETCH"] and launch["PDL"]  # PTX of sm_90 and up
     chunk = cfg.pop("CHUNK")
     cfg.setdefault("BLOCK_S", min(64, chunk))
     n_split = triton.cdiv(S, chunk)
     direct = n_split == 1
-    shape = (B * H_kv, n_split, group_pad) if not direct else (1, 1, 1)
+    shape = (programs, n_split, group_pad) if not direct else (1, 1, 1)
     acc = torch.empty(*shape, D, device=q.device, dtype=torch.float32)
     ml = torch.empty(*shape, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(B, H, 1, D, device=q.device, dtype=q.dtype)
     q = q.contiguous()
     f = freqs_cis.contiguous() if qkv else out
-    _attn_split_kernel[(B * H_kv, n_split)](
+    _attn_split_kernel[(programs, n_split)](
         q, k_cache, v_cache, input_pos, acc, ml, D**-0.5,
         q.stride(0), 0 if qkv else q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -1748,7 +1760,8 @@ def _decode_attention_launch(
     if not direct:
         _attn_combine_kernel[(B * H,)](
             acc, ml, out, n_split,
-            GROUP=group, GROUP_PAD=group_pad, D=D, SPLIT_PAD=triton.next_power_of_2(n_split),
+            GROUP=B * H // programs, GROUP_PAD=group_pad, D=D,  # query heads a program
+            SPLIT_PAD=triton.next_power_of_2(n_split),
         )  # fmt: skip
     return out.view(B, 1, H * D) if qkv else out
 

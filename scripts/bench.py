@@ -781,7 +781,7 @@ def attention_sweep(slots: int) -> list:
             for warps, stages in ((4, 2), (4, 3), (4, 4), (8, 2)):
                 configs.append(dict(CHUNK=chunk, BLOCK_S=block_s, num_warps=warps,
                                     num_stages=stages))  # fmt: skip
-    # the loop's options at the default chunk (STREAMS: one query head per kv head only)
+    # the loop's options at the default chunk (STREAMS: one program per query head)
     for option in ("STREAMS", "AHEAD", "PREFETCH"):
         for block_s in (32, 64):
             configs.append({"CHUNK": default, "BLOCK_S": min(block_s, default), option: True})

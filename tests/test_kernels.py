@@ -460,8 +460,8 @@ if GPU:
 # 8 warps and 64-slot splits in decode: both slower than the default. AHEAD loads each block a
 # step before it attends to it (16-slot blocks: many steps); PREFETCH asks L2 for the filled
 # slots first (PTX: the GPU only; elsewhere the launch leaves it off), also per split; STREAMS
-# keeps an online softmax per row of the block (no tl.dot) where a kv head has one query head,
-# and leaves the other cases to the default loop.
+# runs one program per query head (a group's programs read the same keys and values; one
+# writes the cache slot), an online softmax per row of the block, no tl.dot.
 ATTN_CONFIGS = [
     None,
     dict(CHUNK=32),
