@@ -1486,6 +1486,17 @@ if triton is not None:
         return tl.join(x_e * cos - x_o * sin, x_o * cos + x_e * sin)
 
     @triton.jit
+    def _kv_block(k_ptr, v_ptr, kv_base, s0, cache_end, stride_ks, rd, BLOCK_S: tl.constexpr):
+        # Keys and values of slots s0 .. s0 + BS - 1 [BS, D], zero past cache_end (a masked
+        # slot reads nothing), and which slots are filled [BS]
+        rs = s0 + tl.arange(0, BLOCK_S)
+        s_ok = rs < cache_end
+        kv_off = kv_base + rs[:, None] * stride_ks + rd[None, :]
+        k = tl.load(k_ptr + kv_off, mask=s_ok[:, None], other=0)
+        v = tl.load(v_ptr + kv_off, mask=s_ok[:, None], other=0)
+        return k, v, s_ok
+
+    @triton.jit
     def _attend_rows(q, k, v, s_ok, m, l_sum, acc, sm_scale):
         # One block of slots for one query head, each row its own online softmax: q [1, D]
         # float32, k, v [BS, D], s_ok [BS] -> the rows' running max m [BS], sum l_sum [BS] and
@@ -1586,11 +1597,8 @@ if triton is not None:
             elt: tl.constexpr = k_ptr.dtype.element_ty.primitive_bitwidth // 8
             nbytes = (cache_end - start - BLOCK_S) * stride_ks * elt
             _l2_prefetch_kv(k_ptr + rest, v_ptr + rest, nbytes)
-        rs1 = start + tl.arange(0, BLOCK_S)
-        kv1 = kv_base + rs1[:, None] * stride_ks + rd[None, :]
-        ok1 = rs1 < cache_end
-        k_first = tl.load(k_ptr + kv1, mask=ok1[:, None], other=0)
-        v_first = tl.load(v_ptr + kv1, mask=ok1[:, None], other=0)
+        k_first, v_first, ok1 = _kv_block(k_ptr, v_ptr, kv_base, start, cache_end, stride_ks, rd,
+                                          BLOCK_S)  # fmt: skip
         if QKV:
             ri = tl.arange(0, D // 2)
             f_ptr += pos * D  # unpadded rows: the rotary position is the slot
@@ -1627,11 +1635,7 @@ if triton is not None:
                 l_r = tl.zeros([BLOCK_S], dtype=tl.float32)
                 acc_r = tl.zeros([BLOCK_S, D], dtype=tl.float32)
             for s0 in range(start + BLOCK_S, cache_end + BLOCK_S, BLOCK_S):
-                rs = s0 + tl.arange(0, BLOCK_S)
-                s_ok = rs < cache_end
-                kv_off = kv_base + rs[:, None] * stride_ks + rd[None, :]
-                k = tl.load(k_ptr + kv_off, mask=s_ok[:, None], other=0)  # [BS, D]
-                v = tl.load(v_ptr + kv_off, mask=s_ok[:, None], other=0)
+                k, v, s_ok = _kv_block(k_ptr, v_ptr, kv_base, s0, cache_end, stride_ks, rd, BLOCK_S)
                 if STREAMS:
                     m_r, l_r, acc_r = _attend_rows(q_f, k_cur, v_cur, ok_cur, m_r, l_r, acc_r,
                                                    sm_scale)  # fmt: skip
@@ -1650,11 +1654,7 @@ if triton is not None:
                 m, l_sum, acc = _attend_block(q, k_first, v_first, ok1, m, l_sum, acc, sm_scale,
                                               DOT_PRECISION)  # fmt: skip
             for s0 in range(start + BLOCK_S, cache_end, BLOCK_S):
-                rs = s0 + tl.arange(0, BLOCK_S)
-                s_ok = rs < cache_end
-                kv_off = kv_base + rs[:, None] * stride_ks + rd[None, :]
-                k = tl.load(k_ptr + kv_off, mask=s_ok[:, None], other=0)  # [BS, D]
-                v = tl.load(v_ptr + kv_off, mask=s_ok[:, None], other=0)
+                k, v, s_ok = _kv_block(k_ptr, v_ptr, kv_base, s0, cache_end, stride_ks, rd, BLOCK_S)
                 m, l_sum, acc = _attend_block(q, k, v, s_ok, m, l_sum, acc, sm_scale,
                                               DOT_PRECISION)  # fmt: skip
         if QKV and (start <= pos) & (pos < end):  # this split holds the new token's slot

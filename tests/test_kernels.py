@@ -676,6 +676,8 @@ def test_bench_times_decode_attention_and_sweeps_it():
     assert configs[0] is None and {c["BLOCK_S"] for c in configs[1:]} == {32, 64}
     split = [c for c in bench.attention_sweep(256)[1:] if c["CHUNK"] < 256]  # 64 and 128
     assert {c["CHUNK"] for c in split} == {64, 128}
+    options = {o for c in configs[1:] for o in ("STREAMS", "AHEAD", "PREFETCH") if c.get(o)}
+    assert options == {"STREAMS", "AHEAD", "PREFETCH"}  # the loop's options at the default chunk
     results = bench.bench_attention([config], device, 1e9, sweep=not GPU)
     # CPU: 64 slots filled up to position 40, float32 keys and values; the GPU: each of
     # bench.ATTENTION_CONTEXTS within the model's trained length
